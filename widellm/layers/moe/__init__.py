@@ -1,0 +1,34 @@
+"""Mixture-of-Experts layer: router -> dispatch -> experts -> combine."""
+
+from widellm.layers.moe.dispatch import (
+    DISPATCHER_REGISTRY,
+    SKIP_EXPERT_ID,
+    CombineHandle,
+    DispatchedTokens,
+    DispatchHandle,
+    LocalDispatcher,
+    MoEDispatcher,
+    local_expert_ids,
+    make_dispatcher,
+)
+from widellm.layers.moe.experts import grouped_experts_forward, reference_experts_forward
+from widellm.layers.moe.layer import ExpertParamMapping, FusedMoE, RoutingConfig
+from widellm.layers.moe.router import select_experts
+
+__all__ = [
+    "DISPATCHER_REGISTRY",
+    "SKIP_EXPERT_ID",
+    "CombineHandle",
+    "DispatchHandle",
+    "DispatchedTokens",
+    "ExpertParamMapping",
+    "FusedMoE",
+    "LocalDispatcher",
+    "MoEDispatcher",
+    "RoutingConfig",
+    "grouped_experts_forward",
+    "local_expert_ids",
+    "make_dispatcher",
+    "reference_experts_forward",
+    "select_experts",
+]

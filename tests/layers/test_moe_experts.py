@@ -1,0 +1,86 @@
+"""Grouped experts vs the masked-loop reference, and both vs a per-row formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from widellm.layers.activation import SiluAndMul, silu_and_mul
+from widellm.layers.moe.experts import grouped_experts_forward, reference_experts_forward
+
+NUM_EXPERTS = 6
+HIDDEN = 24
+INTER = 10
+NUM_ROWS = 41
+
+
+def _weights(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen) * 0.2
+    w2 = torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen) * 0.2
+    return w13.to(dtype), w2.to(dtype)
+
+
+def _inputs(dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows routed to experts {0, 2, 5} only (1, 3, 4 stay empty), every 4th row skipped."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(NUM_ROWS, HIDDEN, generator=gen).to(dtype)
+    used = torch.tensor([0, 2, 5])
+    expert_ids = used[torch.randint(0, len(used), (NUM_ROWS,), generator=gen)]
+    expert_ids[::4] = -1
+    return hidden, expert_ids
+
+
+def test_silu_and_mul_matches_hf_swiglu():
+    x = torch.randn(7, 2 * INTER, generator=torch.Generator().manual_seed(2))
+    expected = ACT2FN["silu"](x[:, :INTER]) * x[:, INTER:]
+    assert torch.equal(silu_and_mul(x), expected)
+    assert torch.equal(SiluAndMul()(x), expected)
+    assert SiluAndMul()(x).shape == (7, INTER)
+
+
+def test_reference_matches_per_row_formula():
+    w13, w2 = _weights(torch.float32)
+    hidden, expert_ids = _inputs(torch.float32)
+    out = reference_experts_forward(hidden, expert_ids, w13, w2)
+    for row in range(NUM_ROWS):
+        e = int(expert_ids[row])
+        if e < 0:
+            assert torch.equal(out[row], torch.zeros(HIDDEN))
+            continue
+        x = hidden[row]
+        gate, up = w13[e, :INTER] @ x, w13[e, INTER:] @ x
+        expected = w2[e] @ (F.silu(gate) * up)
+        torch.testing.assert_close(out[row], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_matches_reference(dtype):
+    w13, w2 = _weights(dtype)
+    hidden, expert_ids = _inputs(dtype)
+    grouped = grouped_experts_forward(hidden, expert_ids, w13, w2)
+    reference = reference_experts_forward(hidden, expert_ids, w13, w2)
+    assert grouped.dtype == dtype and grouped.shape == (NUM_ROWS, HIDDEN)
+    # Same rows per expert in the same order, so the very same GEMMs: bitwise equal.
+    assert torch.equal(grouped, reference)
+    skipped = expert_ids < 0
+    assert torch.equal(grouped[skipped], torch.zeros_like(grouped[skipped]))
+    assert (grouped[~skipped].abs().sum(dim=-1) > 0).all()
+
+
+def test_grouped_all_skipped_and_empty():
+    w13, w2 = _weights(torch.float32)
+    hidden = torch.randn(5, HIDDEN)
+    out = grouped_experts_forward(hidden, torch.full((5,), -1), w13, w2)
+    assert torch.equal(out, torch.zeros(5, HIDDEN))
+    empty = grouped_experts_forward(hidden[:0], torch.zeros(0, dtype=torch.int64), w13, w2)
+    assert empty.shape == (0, HIDDEN)
+
+
+def test_grouped_rejects_out_of_range_expert():
+    w13, w2 = _weights(torch.float32)
+    for bad in (NUM_EXPERTS, NUM_EXPERTS + 1, NUM_EXPERTS + 5):
+        with pytest.raises(ValueError):
+            grouped_experts_forward(torch.randn(2, HIDDEN), torch.tensor([0, bad]), w13, w2)

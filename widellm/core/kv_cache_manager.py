@@ -1,0 +1,126 @@
+"""Per-request block tables on top of the BlockPool, with prefix caching.
+
+Prefix caching: full block ``i`` of a request is identified by
+``hash((hash of block i-1, tokens of block i))``, so equal hashes mean equal whole prefixes.
+A new request looks its hashes up in order and reuses the longest run of hits; the last token
+of a prompt is always computed so that the model produces logits for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from widellm.core.block_pool import BlockPool, KVCacheBlock
+from widellm.core.request import Request
+
+# Parent hash of a request's first block; any fixed value works, it only seeds the chain.
+ROOT_BLOCK_HASH = 0
+
+
+def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache counters in tokens, as vLLM reports them.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.block_pool.usage()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+            hashes.append(hash_block_tokens(parent, tokens[start:start + bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached blocks at the start of ``request``; (blocks, tokens covered).
+
+        Requests asking for prompt logprobs skip the cache: those need logits for every
+        prompt position."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self.update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` after the computed ones (plus ``new_computed_blocks``,
+        prefix hits not yet counted in ``request.num_computed_tokens``).
+
+        Returns the newly allocated blocks, or None (changing nothing) when the pool is short.
+        """
+        bs = self.block_size
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
+        total_tokens = num_computed + num_new_tokens
+        num_required = -(-total_tokens // bs)
+        num_to_allocate = num_required - len(blocks) - len(new_computed_blocks)
+        # Hits sitting in the free queue stop being allocatable once revived.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_to_allocate > self.block_pool.num_free_blocks - num_revived:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_to_allocate, 0))
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, blocks, total_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        # Cached as soon as scheduled: a sibling scheduled later in the same step may hit them,
+        # which is safe because every token's KV is stored before any attention reads it.
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

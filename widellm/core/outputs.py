@@ -1,0 +1,49 @@
+"""Results flowing back from the model runner to the scheduler, and from the engine core to
+the frontend. Plain lists, no tensors: these cross process boundaries (msgspec-encodable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+@dataclass(slots=True)
+class LogprobsLists:
+    """Per sampled token: candidate ids (column 0 is the sampled or prompt token itself), their
+    logprobs, and the rank of the token (1 = most likely)."""
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def slice(self, start: int, end: int) -> "LogprobsLists":
+        return LogprobsLists(
+            self.logprob_token_ids[start:end], self.logprobs[start:end], self.ranks[start:end]
+        )
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request: empty while its prompt is still being chunked in.
+    sampled_token_ids: list[list[int]]
+    logprobs: list[LogprobsLists | None] = field(default_factory=list)
+    # req_id -> logprobs of the prompt positions computed this step (first position has none).
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    # (ids, logprobs, rank) per new token when logprobs were asked for.
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    new_prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,231 @@
+"""Continuous-batching scheduler: one rule for every token.
+
+Each request has ``num_computed_tokens`` and wants ``num_tokens - num_computed_tokens`` more.
+A step hands out a token budget (``max_num_batched_tokens``, at most ``max_num_seqs``
+requests): running requests first, in admission order, then waiting ones; any prompt that does
+not fit is chunked. When the KV pool runs dry, the most recently admitted running request is
+preempted (blocks freed, recomputed later from the front of the waiting queue).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from widellm.config import CacheConfig, SchedulerConfig
+from widellm.core.kv_cache_manager import KVCacheManager
+from widellm.core.outputs import EngineCoreOutput, LogprobsLists, ModelRunnerOutput
+from widellm.core.request import Request, RequestStatus
+from widellm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()  # most recently admitted; never one scheduled yet
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+                new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
+            if new_blocks is None:
+                break
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # Admitting while preempting would only thrash the pool.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(req, num_new, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            self.running.append(req)
+            new_reqs.append(NewRequestData(
+                req_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                eos_token_ids=req.eos_token_ids,
+                block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+                num_computed_tokens=num_hit,
+            ))
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        # Tokens scheduled now count as computed: the next schedule() builds on them.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return out
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            idx = runner_output.req_id_to_index[req_id]
+            new_ids: list[int] = []
+            for token_id in runner_output.sampled_token_ids[idx]:
+                req.append_output_token(token_id)
+                new_ids.append(token_id)
+                if self._check_stop(req):
+                    break
+            prompt_lp = runner_output.prompt_logprobs.get(req_id)
+            if not new_ids and prompt_lp is None:
+                continue
+            lp = runner_output.logprobs[idx] if runner_output.logprobs else None
+            outputs.append(EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_ids,
+                new_logprobs=_as_tuples(lp, len(new_ids)) if lp is not None else None,
+                new_prompt_logprobs=_as_tuples(prompt_lp) if prompt_lp is not None else None,
+                finish_reason=req.status.finish_reason,
+                stop_reason=req.stop_reason,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            ))
+            if req.is_finished:
+                self.running.remove(req)
+                self._free(req)
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage(),
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _check_stop(self, req: Request) -> bool:
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = last
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+
+def _as_tuples(
+    lp: LogprobsLists, limit: int | None = None
+) -> list[tuple[list[int], list[float], int]]:
+    n = len(lp.ranks) if limit is None else limit
+    return [(lp.logprob_token_ids[i], lp.logprobs[i], lp.ranks[i]) for i in range(n)]

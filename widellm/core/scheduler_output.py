@@ -1,0 +1,49 @@
+"""What the scheduler tells the model runner each step: only what changed since the last one.
+
+The runner keeps its own copy of each request (tokens, block table); a request appears here in
+full once (``NewRequestData``, also after it resumes from preemption) and afterwards only as the
+blocks it gained (``CachedRequestData``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from widellm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption; the runner recomputes their KV too.
+    output_token_ids: list[int]
+    sampling_params: "SamplingParams"
+    eos_token_ids: frozenset[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step; dict order is the batch order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests whose runner state must be dropped before this step runs.
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,113 @@
+"""Engine arguments: one dataclass whose fields are the CLI flags (``max_num_seqs`` <->
+``--max-num-seqs``) and the ``LLM(...)`` keyword arguments, turned into an EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, field, fields
+
+from widellm.config import (
+    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_dtype,
+)
+from widellm.model.loader import load_hf_config, resolve_model_path
+
+_SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_size(value: str | int | None) -> int | None:
+    """'4GiB' -> 4294967296, '2GB' -> 2000000000, 1024 -> 1024, None -> None."""
+    if value is None or isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"kv_cache_memory: cannot parse size {value!r} (e.g. 4GiB, 512MB)")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = field(default=None, metadata={"help": "model folder, .gguf file or "
+                              "preset:NAME (default: SmolLM2-135M-Instruct)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder or .gguf"})
+    served_model_name: str | None = field(default=None, metadata={"help": "name in the API"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16), bfloat16, float32"})
+    seed: int = field(default=0, metadata={"help": "seed for unseeded random sampling"})
+    max_model_len: int | None = field(default=None, metadata={"help": "context length"})
+    max_num_batched_tokens: int = field(default=4096, metadata={"help": "token budget/step"})
+    max_num_seqs: int = field(default=256, metadata={"help": "requests per step"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_memory: str | None = field(default=None, metadata={"help": "KV cache size, e.g. 4GiB"})
+    kv_cache_memory_fraction: float = field(default=0.25, metadata={
+        "help": "fraction of available memory for the KV cache when --kv-cache-memory is unset"})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": "exact KV block count"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
+    data_parallel_size: int = field(default=1, metadata={"help": "engine cores (DP ranks)"})
+    enable_expert_parallel: bool = field(default=False, metadata={
+        "help": "shard routed experts over the DP ranks"})
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            helptext = f.metadata.get("help", "")
+            if f.name == "model" and positional_model:
+                parser.add_argument("model", nargs="?", default=None, help=helptext)
+            elif f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                    default=f.default, help=helptext)
+            else:
+                kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
+                parser.add_argument(flag, type=kind, default=f.default, help=helptext)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def create_engine_config(self) -> EngineConfig:
+        path = resolve_model_path(self.model)
+        hf_config = load_hf_config(path)
+        model_max = getattr(hf_config, "max_position_embeddings", None)
+        max_model_len = self.max_model_len or model_max
+        if max_model_len is None:
+            raise ValueError("max_model_len: the model config gives none; pass --max-model-len")
+        if model_max is not None and max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's "
+                f"max_position_embeddings={model_max}"
+            )
+        model_config = ModelConfig(
+            model=path,
+            served_name=self.served_model_name or self.model or "SmolLM2-135M-Instruct",
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype),
+            max_model_len=max_model_len,
+            tokenizer=self.tokenizer or path,
+            seed=self.seed,
+        )
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=parse_size(self.kv_cache_memory),
+                kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+                num_kv_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=max_model_len,
+            ),
+            parallel_config=ParallelConfig(
+                data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
+            ),
+        )
+
+    def replace(self, **changes) -> "EngineArgs":
+        return dataclasses.replace(self, **changes)

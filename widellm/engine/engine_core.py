@@ -1,0 +1,82 @@
+"""The engine core: scheduler + model runner, stepping one batch at a time.
+
+It owns the KV cache and request bookkeeping for one (data-parallel) rank and speaks only in
+token ids: ``EngineCoreRequest`` in, ``EngineCoreOutput`` out.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from widellm.config import EngineConfig
+from widellm.core.outputs import EngineCoreOutput
+from widellm.core.request import Request
+from widellm.core.scheduler import Scheduler
+from widellm.sampling_params import SamplingParams
+from widellm.worker.kv_cache import available_memory_bytes
+from widellm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+GIB = 1 << 30
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_runner = ModelRunner(config)
+        num_blocks = self._determine_num_blocks()
+        self.model_runner.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(
+            req.request_id, req.prompt_token_ids, req.sampling_params,
+            frozenset(req.eos_token_ids), req.max_tokens, req.arrival_time,
+        ))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _determine_num_blocks(self) -> int:
+        cc = self.config.cache_config
+        spec = self.model_runner.kv_spec
+        if cc.num_kv_blocks is not None:
+            num_blocks = cc.num_kv_blocks
+        else:
+            budget = cc.kv_cache_memory or int(
+                available_memory_bytes() * cc.kv_cache_memory_fraction
+            )
+            num_blocks = spec.num_blocks_for(budget)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory too small: one block needs {spec.bytes_per_block} bytes"
+            )
+        max_len = self.config.scheduler_config.max_model_len
+        if num_blocks * cc.block_size < max_len:
+            logger.warning("KV cache holds %d tokens, less than max_model_len=%d",
+                           num_blocks * cc.block_size, max_len)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d bytes per block)",
+            num_blocks, cc.block_size, num_blocks * cc.block_size,
+            num_blocks * spec.bytes_per_block / GIB, spec.bytes_per_block,
+        )
+        return num_blocks

@@ -1,0 +1,82 @@
+"""Turning user input into engine-core requests: tokenize, validate, fill defaults.
+
+Validation happens here, before anything reaches the engine core, so a bad request is refused
+with a ValueError naming the parameter and never disturbs the others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from widellm.config import ModelConfig
+from widellm.engine.engine_core import EngineCoreRequest
+from widellm.sampling_params import SamplingParams
+
+# A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} as in vLLM.
+PromptType = str | Sequence[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        eos_token_ids: list[int],
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = model_config.hf_config.vocab_size
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; pass token ids instead")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        return None, [int(t) for t in prompt]
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        max_len = self.model_config.max_model_len
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        if len(token_ids) > max_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens is longer than max_model_len={max_len}"
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: {bad[:3]} outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def make_core_requests(
+        self, request_id: str, token_ids: list[int], params: SamplingParams,
+        core_ids: list[str],
+    ) -> list[EngineCoreRequest]:
+        """One engine-core request per sample (``core_ids`` from the output processor)."""
+        room = self.model_config.max_model_len - len(token_ids)
+        max_tokens = max(1, room) if params.max_tokens is None else params.max_tokens
+        now = time.monotonic()
+        requests = []
+        for i, core_id in enumerate(core_ids):
+            child = params.clone()
+            child.n = 1
+            if params.seed is not None and len(core_ids) > 1:
+                child.seed = params.seed + i  # siblings must not draw identical samples
+            requests.append(EngineCoreRequest(
+                request_id=core_id,
+                prompt_token_ids=token_ids,
+                sampling_params=child,
+                eos_token_ids=self.eos_token_ids,
+                max_tokens=max_tokens,
+                arrival_time=now,
+            ))
+        return requests

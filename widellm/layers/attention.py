@@ -1,0 +1,75 @@
+"""Paged attention for multi-head / grouped-query models on the CPU (torch SDPA).
+
+KV cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (keys, values),
+bound to the layer by the model runner as ``layer.kv_cache``. Every token's K/V is written
+before any attention is computed, so requests in one step may read blocks another request of
+the same step has just filled (prefix sharing between siblings).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from widellm.forward_context import get_forward_context
+from widellm.layers.attention_metadata import AttentionMetadata
+
+
+def store_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """cache [num_slots, ...] <- values [T, ...] at rows slot_mapping [T]; -1 rows skipped."""
+    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slot_mapping, values = slot_mapping[keep], values[keep]
+    cache.index_copy_(0, slot_mapping, values.to(cache.dtype))
+
+
+def gather_from_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_slots, ...], slots [...] -> [..., ...] rows of the cache."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.kv_cache = torch.empty(0)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
+        md: AttentionMetadata = get_forward_context()
+        k_cache = self.kv_cache[0].flatten(0, 1)  # [slots, Hkv, D]
+        v_cache = self.kv_cache[1].flatten(0, 1)
+        store_to_cache(k_cache, md.slot_mapping, k)
+        store_to_cache(v_cache, md.slot_mapping, v)
+        out = torch.empty_like(q)
+
+        if md.num_decodes:
+            d = md.num_decodes
+            kd = gather_from_cache(k_cache, md.decode_slots).transpose(1, 2)  # [D, Hkv, L, Dh]
+            vd = gather_from_cache(v_cache, md.decode_slots).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[:d].unsqueeze(2), kd, vd, attn_mask=md.decode_mask, scale=self.scale,
+                enable_gqa=True,
+            )
+            out[:d] = o.squeeze(2)
+
+        for p in md.prefills:
+            qs = q[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            if p.context_slots is None:
+                ks, vs = k[p.token_start:p.token_end], v[p.token_start:p.token_end]
+            else:
+                ks = gather_from_cache(k_cache, p.context_slots)
+                vs = gather_from_cache(v_cache, p.context_slots)
+            o = F.scaled_dot_product_attention(
+                qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=True,
+            )
+            out[p.token_start:p.token_end] = o.squeeze(0).transpose(0, 1)
+        return out

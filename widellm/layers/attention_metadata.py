@@ -1,0 +1,98 @@
+"""Per-step attention metadata for the paged KV cache, built once per step by the model runner
+and shared by every layer.
+
+The batch is flattened without padding: decode requests (one query token) first, then prefill
+chunks. Decodes are batched into one padded attention call; each prefill chunk gets its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """One prompt chunk: query tokens ``[token_start, token_end)`` of the batch, attending to
+    ``context_len`` cached positions (the chunk included)."""
+
+    token_start: int
+    token_end: int
+    context_len: int
+    # Cache slot of every context position [context_len]; None when the chunk is the whole
+    # context (no cached prefix): keys then come straight from the current step.
+    context_slots: torch.Tensor | None
+    # [q, context_len] True where attention is allowed; None means plain causal.
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding rows
+    num_decodes: int  # decode tokens occupy rows [0, num_decodes)
+    decode_slots: torch.Tensor | None  # [D, L] cache slot per context position (0 past the end)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, L] True where position < seq_len
+    prefills: list[PrefillSeq]
+
+
+def build_attention_metadata(
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+) -> AttentionMetadata:
+    """query_lens/context_lens [B] (context = cached + new tokens after this step),
+    block_table [B, max_blocks] physical block ids. Rows with query_len 1 come first; the
+    rows after the first longer query are all treated as prefill chunks."""
+    num_reqs = len(query_lens)
+    # A one-token query is a decode whatever its origin (a prompt's last chunk can be one).
+    is_decode = query_lens == 1
+    num_decodes = num_reqs if is_decode.all() else int(np.argmin(is_decode))
+    query_start = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+
+    # Slot of every (request, position) for the tokens computed this step.
+    positions = np.concatenate([
+        np.arange(c - q, c) for q, c in zip(query_lens, context_lens)
+    ]) if num_reqs else np.zeros(0, dtype=np.int64)
+    req_index = np.repeat(np.arange(num_reqs), query_lens)
+    slot_mapping = block_table[req_index, positions // block_size] * block_size + positions % block_size
+
+    decode_slots = decode_mask = None
+    if num_decodes:
+        ctx = context_lens[:num_decodes]
+        max_len = int(ctx.max())
+        pos = np.arange(max_len)
+        valid = pos[None, :] < ctx[:, None]
+        blocks = block_table[:num_decodes, pos // block_size]
+        slots = np.where(valid, blocks * block_size + pos % block_size, 0)
+        decode_slots = torch.from_numpy(slots.astype(np.int64))
+        decode_mask = torch.from_numpy(valid)[:, None, None, :]
+
+    prefills = []
+    for r in range(num_decodes, num_reqs):
+        q, c = int(query_lens[r]), int(context_lens[r])
+        start, end = int(query_start[r]), int(query_start[r + 1])
+        if q == c:
+            prefills.append(PrefillSeq(start, end, c, None, None))
+            continue
+        pos = np.arange(c)
+        slots = block_table[r, pos // block_size] * block_size + pos % block_size
+        q_pos = np.arange(c - q, c)
+        mask = pos[None, :] <= q_pos[:, None]
+        prefills.append(PrefillSeq(
+            start, end, c, torch.from_numpy(slots.astype(np.int64)), torch.from_numpy(mask)
+        ))
+
+    return AttentionMetadata(
+        num_tokens=num_tokens,
+        slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)),
+        num_decodes=num_decodes,
+        decode_slots=decode_slots,
+        decode_mask=decode_mask,
+        prefills=prefills,
+    )

@@ -1,0 +1,111 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) over a paged cache of compressed latents.
+
+The cache holds, per token, the normalised latent ``c_kv`` (``kv_lora_rank`` values) and the
+rotated shared key ``k_pe`` (``qk_rope_head_dim`` values): ``[num_blocks, block_size,
+kv_lora_rank + qk_rope_head_dim]``, not per-head K/V.
+
+* Prefill chunks expand the latents with ``kv_b_proj`` into per-head keys and values and run
+  ordinary causal attention (compute-bound; expansion is cheaper than absorbing there).
+* Decodes use weight absorption: ``q_nope`` is folded through ``W_UK`` into latent space, so
+  scores are ``[q_lat, q_pe] . [c_kv, k_pe]`` (one 576-wide "head" shared by all query heads),
+  the output is a mix of latents, and ``W_UV`` maps it back per head. No K/V is expanded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from widellm.forward_context import get_forward_context
+from widellm.layers.attention import gather_from_cache, store_to_cache
+from widellm.layers.attention_metadata import AttentionMetadata
+
+
+class MLAAttention(nn.Module):
+    def __init__(
+        self,
+        num_heads: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        kv_lora_rank: int,
+        scale: float,
+        kv_b_proj: nn.Linear,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.kv_lora_rank = kv_lora_rank
+        self.scale = scale
+        # Shared with the model (it owns and loads the weight); a list hides it from
+        # named_parameters so it is not registered twice.
+        self._kv_b_proj = [kv_b_proj]
+        self.kv_cache = torch.empty(0)
+        self.w_uk: torch.Tensor | None = None  # [H, nope, kv_lora_rank]
+        self.w_uv_t: torch.Tensor | None = None  # [H, kv_lora_rank, v_head_dim]
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
+
+    def process_weights_after_loading(self) -> None:
+        """Split ``kv_b_proj`` [H*(nope+v), kv_lora] into the absorbed decode matrices."""
+        w = self._kv_b_proj[0].weight.detach().view(
+            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+        )
+        self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()
+        self.w_uv_t = w[:, self.qk_nope_head_dim:].transpose(1, 2).contiguous()
+
+    def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """q [T, H, nope+rope] (rope part rotated), kv_c [T, kv_lora] (normalised latent),
+        k_pe [T, rope] (rotated) -> [T, H, v_head_dim]."""
+        md: AttentionMetadata = get_forward_context()
+        cache = self.kv_cache.flatten(0, 1)  # [slots, kv_lora + rope]
+        store_to_cache(cache, md.slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+        if md.num_decodes:
+            d = md.num_decodes
+            out[:d] = self._decode_absorbed(q[:d], gather_from_cache(cache, md.decode_slots),
+                                            md.decode_mask)
+        for p in md.prefills:
+            if p.context_slots is None:
+                ctx_c, ctx_pe = kv_c[p.token_start:p.token_end], k_pe[p.token_start:p.token_end]
+            else:
+                ctx = gather_from_cache(cache, p.context_slots)
+                ctx_c, ctx_pe = ctx[:, : self.kv_lora_rank], ctx[:, self.kv_lora_rank:]
+            out[p.token_start:p.token_end] = self._prefill_expanded(
+                q[p.token_start:p.token_end], ctx_c, ctx_pe, p.mask
+            )
+        return out
+
+    def _prefill_expanded(
+        self, q: torch.Tensor, ctx_c: torch.Tensor, ctx_pe: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """q [q, H, nope+rope], ctx_c [L, kv_lora], ctx_pe [L, rope] -> [q, H, v]."""
+        L = ctx_c.shape[0]
+        kv = self._kv_b_proj[0](ctx_c).view(L, self.num_heads, -1)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, ctx_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+            scale=self.scale,
+        )
+        return o.squeeze(0).transpose(0, 1)
+
+    def _decode_absorbed(
+        self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q [D, H, nope+rope], ctx [D, L, kv_lora+rope], mask [D, 1, 1, L] -> [D, H, v]."""
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D, H, kv_lora]
+        q_cat = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(2)  # [D, H, 1, kv_lora+rope]
+        k = ctx.unsqueeze(1)  # [D, 1, L, kv_lora+rope]
+        v = ctx[..., : self.kv_lora_rank].unsqueeze(1)  # [D, 1, L, kv_lora]
+        o_lat = F.scaled_dot_product_attention(
+            q_cat, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+        ).squeeze(2)  # [D, H, kv_lora]
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)

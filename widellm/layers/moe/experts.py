@@ -1,0 +1,91 @@
+"""Routed-expert MLPs over dispatched rows: ``down(silu(gate(x)) * up(x))`` per row's expert.
+
+Weights are stacked per local expert: ``w13 [E_local, 2I, H]`` holds the gate projection (w1)
+in rows ``[0, I)`` and the up projection (w3) in rows ``[I, 2I)``; ``w2 [E_local, H, I]`` is
+the down projection. Rows whose expert id is -1 are skipped and come out as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from widellm.layers.activation import silu_and_mul
+
+
+def _check_shapes(
+    hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> None:
+    num_experts, two_inter, hidden_size = w13.shape
+    if w2.shape != (num_experts, hidden_size, two_inter // 2):
+        raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 shape {tuple(w13.shape)}")
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+        raise ValueError(f"hidden shape {tuple(hidden.shape)} does not match hidden_size={hidden_size}")
+    if expert_ids.shape != (hidden.shape[0],):
+        raise ValueError(f"expert_ids shape {tuple(expert_ids.shape)} must be ({hidden.shape[0]},)")
+
+
+def grouped_experts_forward(
+    hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Grouped GEMM over rows sorted by expert (contiguous layout).
+
+    Rows are stably sorted by expert id (skipped rows last), each expert multiplies its
+    contiguous slice with one ``mm`` per projection, and the results are scattered back. The
+    only host synchronisation is one ``tolist()`` of the per-expert row counts.
+
+    Args:
+        hidden: ``[N, H]`` rows to compute, same dtype as the weights.
+        expert_ids: ``[N]`` int64 local expert ids, -1 to skip the row.
+        w13: ``[E_local, 2I, H]`` fused gate (w1) and up (w3) projections.
+        w2: ``[E_local, H, I]`` down projection.
+
+    Returns:
+        ``[N, H]`` expert outputs in the input row order; zero rows where ``expert_ids`` is -1.
+    """
+    _check_shapes(hidden, expert_ids, w13, w2)
+    num_rows, hidden_size = hidden.shape
+    num_experts = w13.shape[0]
+    # Skipped rows go to bucket E + 1 so they sort after every real expert; out-of-range ids
+    # are clamped into bucket E, which must stay empty (checked at the one host sync).
+    bad_bucket, skip_bucket = num_experts, num_experts + 1
+    sort_keys = torch.where(expert_ids >= 0, expert_ids.clamp(max=bad_bucket), skip_bucket)
+    order = torch.argsort(sort_keys, stable=True)
+    counts = torch.bincount(sort_keys, minlength=skip_bucket + 1).tolist()
+    if counts[bad_bucket] != 0:
+        raise ValueError(f"expert id out of range for {num_experts} local experts")
+
+    num_valid = num_rows - counts[skip_bucket]
+    valid_order = order[:num_valid]
+    sorted_hidden = hidden.index_select(0, valid_order)
+    sorted_out = torch.empty_like(sorted_hidden)
+    start = 0
+    for expert, count in enumerate(counts[:num_experts]):
+        if count == 0:
+            continue
+        end = start + count
+        gate_up = torch.mm(sorted_hidden[start:end], w13[expert].t())
+        torch.mm(silu_and_mul(gate_up), w2[expert].t(), out=sorted_out[start:end])
+        start = end
+
+    out = hidden.new_zeros(num_rows, hidden_size)
+    out.index_copy_(0, valid_order, sorted_out)
+    return out
+
+
+def reference_experts_forward(
+    hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Plain per-expert masked loop; the reference twin of :func:`grouped_experts_forward`.
+
+    Same arguments and result: ``[N, H]`` with zero rows where ``expert_ids`` is -1.
+    """
+    _check_shapes(hidden, expert_ids, w13, w2)
+    out = torch.zeros_like(hidden)
+    for expert in range(w13.shape[0]):
+        mask = expert_ids == expert
+        if not bool(mask.any()):
+            continue
+        gate_up = F.linear(hidden[mask], w13[expert])
+        out[mask] = F.linear(silu_and_mul(gate_up), w2[expert])
+    return out

@@ -1,0 +1,264 @@
+"""FusedMoE: the routed-expert half of an MoE block (router -> dispatch -> experts -> combine).
+
+The gate linear that produces ``router_logits`` and any shared experts belong to the model
+file; this module owns the stacked routed-expert weights of the experts local to this rank.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal, NamedTuple
+
+import torch
+from torch import nn
+
+from widellm.layers.moe.dispatch import SKIP_EXPERT_ID, MoEDispatcher, make_dispatcher
+from widellm.layers.moe.experts import grouped_experts_forward
+from widellm.layers.moe.router import GroupScore, ScoringFunc, select_experts
+
+ParamName = Literal["w13_weight", "w2_weight"]
+ShardId = Literal["w1", "w3", "w2"]
+
+# Checkpoint projection names of each shard: DeepSeek/Qwen style, then Mixtral style.
+_CKPT_PROJ_TO_SHARD: Mapping[str, ShardId] = MappingProxyType(
+    {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
+)
+_SHARD_TO_PARAM: Mapping[str, ParamName] = MappingProxyType(
+    {"w1": "w13_weight", "w3": "w13_weight", "w2": "w2_weight"}
+)
+# "experts.<e>.<proj>.weight" at a module boundary, so "shared_experts.*" never matches.
+_EXPERT_WEIGHT_RE = re.compile(
+    r"(?:^|\.)(experts\.(\d+)\.(" + "|".join(_CKPT_PROJ_TO_SHARD) + r")\.weight)$"
+)
+
+
+class ExpertParamMapping(NamedTuple):
+    """Where one checkpoint expert tensor goes.
+
+    ``weight_name`` is the checkpoint name suffix (``"experts.3.gate_proj.weight"``).
+    """
+
+    param_name: ParamName
+    weight_name: str
+    expert_id: int
+    shard_id: ShardId
+
+
+@dataclass(frozen=True, eq=False)
+class RoutingConfig:
+    """Keyword arguments of :func:`select_experts` fixed per layer.
+
+    Kept in a plain dataclass so that a bias tensor owned by the model's gate is referenced,
+    not registered a second time as a parameter of this module.
+    """
+
+    scoring_func: ScoringFunc = "softmax"
+    renormalize: bool = False
+    num_expert_group: int | None = None
+    topk_group: int | None = None
+    group_score: GroupScore = "max"
+    e_score_correction_bias: torch.Tensor | None = None
+    routed_scaling_factor: float = 1.0
+
+
+class FusedMoE(nn.Module):
+    """Routed experts with stacked weights.
+
+    Args:
+        num_experts: global number of routed experts ``E``.
+        top_k: experts per token.
+        hidden_size: ``H``.
+        intermediate_size: per-expert ``I``.
+        scoring_func, renormalize, num_expert_group, topk_group, group_score,
+            e_score_correction_bias, routed_scaling_factor: routing, as in
+            :func:`select_experts`.
+        dtype: dtype of the expert weights (and of the activations they take).
+        device: device of the weights and of the dispatcher's ``expert_map``; build the
+            layer on its final device, since ``Module.to`` does not move the dispatcher.
+        dispatcher: registered dispatch backend name.
+        expert_map: ``[E]`` int64 local index of each global expert or -1; all local if None.
+
+    Parameters:
+        w13_weight: ``[E_local, 2I, H]`` gate (w1) rows then up (w3) rows.
+        w2_weight: ``[E_local, H, I]`` down projection.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        scoring_func: ScoringFunc = "softmax",
+        renormalize: bool = False,
+        num_expert_group: int | None = None,
+        topk_group: int | None = None,
+        group_score: GroupScore = "max",
+        e_score_correction_bias: torch.Tensor | None = None,
+        routed_scaling_factor: float = 1.0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        dispatcher: str = "local",
+        expert_map: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        if expert_map is None:
+            expert_map = torch.arange(num_experts, dtype=torch.int64)
+        if expert_map.shape != (num_experts,):
+            raise ValueError(f"expert_map must have shape ({num_experts},), got {tuple(expert_map.shape)}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.routing = RoutingConfig(
+            scoring_func=scoring_func,
+            renormalize=renormalize,
+            num_expert_group=num_expert_group,
+            topk_group=topk_group,
+            group_score=group_score,
+            e_score_correction_bias=e_score_correction_bias,
+            routed_scaling_factor=routed_scaling_factor,
+        )
+        self.dispatcher: MoEDispatcher = make_dispatcher(dispatcher, expert_map.to(device))
+        self.num_local_experts = self.dispatcher.num_local_experts
+        # Host copy for weight loading, which must not sync the device per tensor.
+        self._global_to_local: list[int] = expert_map.tolist()
+
+        factory = {"dtype": dtype, "device": device}
+        self.w13_weight = nn.Parameter(
+            torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, **factory),
+            requires_grad=False,
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(self.num_local_experts, hidden_size, intermediate_size, **factory),
+            requires_grad=False,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, local={self.num_local_experts}, top_k={self.top_k}, "
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"scoring_func={self.routing.scoring_func}"
+        )
+
+    @staticmethod
+    def make_expert_params_mapping(
+        num_experts: int,
+        ckpt_gate_proj_name: str = "gate_proj",
+        ckpt_up_proj_name: str = "up_proj",
+        ckpt_down_proj_name: str = "down_proj",
+    ) -> list[ExpertParamMapping]:
+        """Every per-expert checkpoint tensor of one layer and where it loads.
+
+        Pass ``"w1", "w3", "w2"`` for Mixtral checkpoints.
+        """
+        shards: tuple[tuple[str, ShardId], ...] = (
+            (ckpt_gate_proj_name, "w1"),
+            (ckpt_up_proj_name, "w3"),
+            (ckpt_down_proj_name, "w2"),
+        )
+        return [
+            ExpertParamMapping(_SHARD_TO_PARAM[shard], f"experts.{e}.{proj}.weight", e, shard)
+            for e in range(num_experts)
+            for proj, shard in shards
+        ]
+
+    @staticmethod
+    def parse_expert_weight_name(name: str) -> ExpertParamMapping | None:
+        """Recognise a per-expert checkpoint name of either convention.
+
+        ``"model.layers.3.mlp.experts.7.up_proj.weight"`` ->
+        ``ExpertParamMapping("w13_weight", "experts.7.up_proj.weight", 7, "w3")``; the module
+        prefix is ``name[: -len(weight_name)]``. Returns None for any other name.
+        """
+        match = _EXPERT_WEIGHT_RE.search(name)
+        if match is None:
+            return None
+        weight_name, expert, proj = match.groups()
+        shard = _CKPT_PROJ_TO_SHARD[proj]
+        return ExpertParamMapping(_SHARD_TO_PARAM[shard], weight_name, int(expert), shard)
+
+    def weight_loader(
+        self, param_name: ParamName, loaded: torch.Tensor, global_expert_id: int, shard_id: ShardId
+    ) -> bool:
+        """Copy one checkpoint expert tensor into its slice.
+
+        Args:
+            param_name: ``"w13_weight"`` or ``"w2_weight"``.
+            loaded: ``[I, H]`` for w1 (gate_proj) and w3 (up_proj), ``[H, I]`` for w2 (down_proj).
+            global_expert_id: the expert's index in the checkpoint.
+            shard_id: ``"w1"``, ``"w3"`` or ``"w2"``.
+
+        Returns:
+            True if copied, False if the expert lives on another rank.
+        """
+        if _SHARD_TO_PARAM.get(shard_id) != param_name:
+            raise ValueError(f"shard {shard_id!r} does not belong to {param_name!r}")
+        if not 0 <= global_expert_id < self.num_experts:
+            raise ValueError(f"expert {global_expert_id} out of range [0, {self.num_experts})")
+        local_id = self._global_to_local[global_expert_id]
+        if local_id < 0:
+            return False
+        inter = self.intermediate_size
+        if shard_id == "w2":
+            dst = self.w2_weight.data[local_id]
+        elif shard_id == "w1":
+            dst = self.w13_weight.data[local_id, :inter]
+        else:
+            dst = self.w13_weight.data[local_id, inter:]
+        if loaded.shape != dst.shape:
+            raise ValueError(
+                f"expert {global_expert_id} {shard_id}: checkpoint shape {tuple(loaded.shape)}, "
+                f"expected {tuple(dst.shape)}"
+            )
+        dst.copy_(loaded)
+        return True
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        *,
+        padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Routed-expert output of each token (shared experts not included).
+
+        Args:
+            hidden_states: ``[T, H]`` in the weights' dtype; expert math stays in it.
+            router_logits: ``[T, E]`` gate outputs; routing is done in fp32.
+            padding_mask: optional ``[T]`` bool, True for padding rows, which get expert id -1
+                and a zero output.
+
+        Returns:
+            ``[T, H]`` in the dtype of ``hidden_states``.
+        """
+        if hidden_states.dtype != self.w13_weight.dtype:
+            raise TypeError(
+                f"hidden_states dtype {hidden_states.dtype} != expert weights {self.w13_weight.dtype}"
+            )
+        routing = self.routing
+        topk_weights, topk_ids = select_experts(
+            router_logits,
+            self.top_k,
+            scoring_func=routing.scoring_func,
+            renormalize=routing.renormalize,
+            num_expert_group=routing.num_expert_group,
+            topk_group=routing.topk_group,
+            group_score=routing.group_score,
+            e_score_correction_bias=routing.e_score_correction_bias,
+            routed_scaling_factor=routing.routed_scaling_factor,
+        )
+        if padding_mask is not None:
+            topk_ids = topk_ids.masked_fill(padding_mask.unsqueeze(-1), SKIP_EXPERT_ID)
+
+        dispatch_handle = self.dispatcher.dispatch_launch(hidden_states, topk_ids, topk_weights)
+        tokens = self.dispatcher.dispatch_wait(dispatch_handle)
+        expert_output = grouped_experts_forward(
+            tokens.hidden_states, tokens.expert_ids, self.w13_weight, self.w2_weight
+        )
+        combine_handle = self.dispatcher.combine_launch(expert_output, dispatch_handle)
+        return self.dispatcher.combine_wait(combine_handle)

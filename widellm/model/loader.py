@@ -1,0 +1,115 @@
+"""Finding a model and loading it: preset names, HF folders (config.json + safetensors, single
+or sharded with an index) and GGUF files (dequantized on load)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig
+
+from widellm.model.registry import get_model_class
+from widellm.model.weight_utils import process_weights_after_loading
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+PRESET_PREFIX = "preset:"
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None -> the default model; ``preset:NAME`` -> its generated folder; else an existing
+    folder or .gguf file. Raises ValueError naming ``model`` otherwise."""
+    if model is None:
+        from widellm.model.default_model import default_model_path
+
+        return default_model_path()
+    if model.startswith(PRESET_PREFIX):
+        from widellm.model.presets import is_preset, resolve_preset
+
+        if not is_preset(model):
+            raise ValueError(f"model {model!r}: unknown preset")
+        return resolve_preset(model)
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return model
+    if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        return model
+    raise ValueError(
+        f"model {model!r}: not a preset, a .gguf file or a folder with config.json "
+        "(no model hub is used)"
+    )
+
+
+def load_hf_config(path: str) -> Any:
+    if path.endswith(".gguf"):
+        from widellm.model.gguf_loader import load_gguf
+
+        return load_gguf(path).config
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    # Keys some configs carry that transformers' classes drop (DeepSeek-V3's scoring_func,
+    # topk_method): keep them visible to the model code.
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    for key in ("scoring_func", "topk_method"):
+        if key in raw and not hasattr(cfg, key):
+            setattr(cfg, key, raw[key])
+    return cfg
+
+
+def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs, one tensor in memory at a time."""
+    if path.endswith(".gguf"):
+        from widellm.model.gguf_loader import load_gguf
+
+        yield from load_gguf(path).weights()
+        return
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, SAFETENSORS_SINGLE)):
+        files = [SAFETENSORS_SINGLE]
+    else:
+        raise ValueError(f"model {path!r}: no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}")
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def build_model(hf_config: Any, path: str, dtype: torch.dtype) -> nn.Module:
+    """Instantiate the architecture in ``dtype`` (routers stay fp32) and load the weights."""
+    cls = get_model_class(hf_config.architectures[0])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = cls(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        model.load_weights(iterate_weights(path))
+    process_weights_after_loading(model)
+    return model.eval()
+
+
+def load_eos_token_ids(path: str, hf_config: Any) -> list[int]:
+    """End-of-sequence ids from generation_config.json (or the GGUF metadata), falling back to
+    config.json's ``eos_token_id``."""
+    if path.endswith(".gguf"):
+        from widellm.model.gguf_loader import load_gguf
+
+        return list(load_gguf(path).generation_eos_token_ids)
+    eos = None
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,59 @@
+"""Sizing and allocating the paged KV cache.
+
+Each attention layer declares ``kv_cache_shape(num_blocks, block_size)``; one block of the
+pool holds ``block_size`` tokens in every layer at once, so its size is the sum over layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MEMINFO = "/proc/meminfo"
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    layers: tuple[nn.Module, ...]
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_model(cls, model: nn.Module, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
+        layers = tuple(m for m in model.modules() if hasattr(m, "kv_cache_shape"))
+        if not layers:
+            raise ValueError("model has no attention layer with a KV cache")
+        return cls(layers, block_size, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(m.kv_cache_shape(1, self.block_size)) for m in self.layers) * elem
+
+    def num_blocks_for(self, num_bytes: int) -> int:
+        return num_bytes // self.bytes_per_block
+
+
+def available_memory_bytes() -> int:
+    """Memory the KV cache may come from: free device memory on CUDA, MemAvailable on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    with open(MEMINFO) as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"cannot read MemAvailable from {MEMINFO}")
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
+    """Zero-filled tensors bound to their layers as ``layer.kv_cache``. torch.zeros maps fresh
+    pages lazily on CPU, so untouched blocks cost no resident memory."""
+    caches = []
+    for layer in spec.layers:
+        cache = torch.zeros(layer.kv_cache_shape(num_blocks, spec.block_size), dtype=spec.dtype)
+        layer.kv_cache = cache
+        caches.append(cache)
+    return caches

@@ -1,0 +1,153 @@
+"""Model runner: scheduler output -> flattened inputs -> forward -> logits -> sampled tokens.
+
+It never decides what runs; it applies the scheduler's diffs to its own request states, runs
+the batch and reports what it sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from widellm.config import EngineConfig
+from widellm.core.outputs import LogprobsLists, ModelRunnerOutput
+from widellm.core.scheduler_output import SchedulerOutput
+from widellm.forward_context import set_forward_context
+from widellm.layers.attention_metadata import build_attention_metadata
+from widellm.model.loader import build_model
+from widellm.worker.input_batch import BatchInputs, CachedRequestState, build_batch_inputs
+from widellm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from widellm.worker.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from widellm.worker.sampling_metadata import SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.block_size = config.cache_config.block_size
+        self.vocab_size = mc.hf_config.vocab_size
+        self.model = build_model(mc.hf_config, mc.model, mc.dtype)
+        self.kv_spec = KVCacheSpec.from_model(self.model, self.block_size, mc.dtype)
+        self.sampler = Sampler()
+        self.states: dict[str, CachedRequestState] = {}
+        # Seeded generators outlive preemption so a recomputed request keeps its stream.
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput([], {}, [])
+        batch = build_batch_inputs(self.states, so.num_scheduled_tokens)
+        md = build_attention_metadata(
+            batch.query_lens, batch.context_lens, batch.block_table, self.block_size
+        )
+        with set_forward_context(md):
+            hidden = self.model(batch.input_ids, batch.positions)
+
+        query_end = np.cumsum(batch.query_lens)
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: list[LogprobsLists | None] = [None] * len(batch.req_ids)
+        if batch.sample_rows:
+            rows = batch.sample_rows
+            logits = self.model.compute_logits(hidden[torch.from_numpy(query_end[rows] - 1)])
+            out = self.sampler(logits, self._sampling_metadata(batch, rows))
+            tokens = out.sampled_token_ids.tolist()
+            for j, row in enumerate(rows):
+                state = self.states[batch.req_ids[row]]
+                state.token_ids.append(tokens[j])
+                sampled[row] = [tokens[j]]
+                n = state.sampling_params.logprobs
+                if out.logprobs is not None and n is not None:
+                    logprobs[row] = _to_lists(out.logprobs, j, j + 1, n)
+
+        prompt_logprobs = self._prompt_logprobs(batch, hidden, query_end)
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.states.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            if params.seed is not None and new.req_id not in self.generators:
+                self.generators[new.req_id] = torch.Generator().manual_seed(params.seed)
+            self.states[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                token_ids=new.prompt_token_ids + new.output_token_ids,
+                num_prompt_tokens=len(new.prompt_token_ids),
+                sampling_params=params,
+                eos_token_ids=new.eos_token_ids,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            state = self.states[req_id]
+            state.block_ids.extend(block_ids)
+            state.num_computed_tokens = num_computed
+
+    def _sampling_metadata(self, batch: BatchInputs, rows: list[int]) -> SamplingMetadata:
+        states = [self.states[batch.req_ids[r]] for r in rows]
+        generators = {
+            j: self.generators[s.req_id] for j, s in enumerate(states) if s.req_id in self.generators
+        }
+        return SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.output_token_ids for s in states],
+            self.vocab_size,
+            generators=generators,
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
+            eos_token_ids=[s.eos_token_ids for s in states],
+        )
+
+    def _prompt_logprobs(
+        self, batch: BatchInputs, hidden: torch.Tensor, query_end: np.ndarray
+    ) -> dict[str, LogprobsLists]:
+        """Logprob of each prompt token given the tokens before it, for the prompt positions
+        computed this step (position p predicts token p + 1)."""
+        result: dict[str, LogprobsLists] = {}
+        for row, req_id in enumerate(batch.req_ids):
+            state = self.states[req_id]
+            n = state.sampling_params.prompt_logprobs
+            start = int(batch.context_lens[row] - batch.query_lens[row])
+            end = min(int(batch.context_lens[row]), state.num_prompt_tokens - 1)
+            if n is None or start >= end:
+                continue
+            first = int(query_end[row] - batch.query_lens[row])
+            logits = self.model.compute_logits(hidden[first:first + end - start])
+            targets = torch.tensor(state.token_ids[start + 1:end + 1], dtype=torch.int64)
+            lp = gather_logprobs(compute_logprobs(logits), targets, n)
+            result[req_id] = _to_lists(lp, 0, end - start, n)
+        return result
+
+
+def _to_lists(lp: LogprobsTensors, start: int, end: int, num: int) -> LogprobsLists:
+    return LogprobsLists(
+        logprob_token_ids=lp.logprob_token_ids[start:end, : num + 1].tolist(),
+        logprobs=lp.logprobs[start:end, : num + 1].tolist(),
+        ranks=lp.selected_token_ranks[start:end].tolist(),
+    )
