@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/widellm chat-once "$(PROMPT)"
+	$(VENV)/bin/widellm chat "$(PROMPT)"
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15

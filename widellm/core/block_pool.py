@@ -123,9 +123,9 @@ class BlockPool:
         """Drop one reference each; blocks reaching zero join the free queue in the given order
         (callers pass a request's blocks tail first, so its last blocks are evicted first)."""
         for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt < 0:
+            if block.ref_cnt <= 0:
                 raise RuntimeError(f"{block} freed more often than allocated")
+            block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 

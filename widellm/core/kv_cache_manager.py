@@ -67,10 +67,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_stats(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (not every retry of a request kept waiting)."""
+        self.prefix_cache_queries += num_query_tokens
         self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
 
     def allocate_slots(
         self,

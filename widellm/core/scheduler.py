@@ -113,6 +113,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
+            if self.kv_cache_manager.enable_caching:
+                self.kv_cache_manager.record_prefix_cache_stats(req.num_tokens, num_hit)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:

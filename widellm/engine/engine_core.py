@@ -72,8 +72,12 @@ class EngineCore:
             )
         max_len = self.config.scheduler_config.max_model_len
         if num_blocks * cc.block_size < max_len:
-            logger.warning("KV cache holds %d tokens, less than max_model_len=%d",
-                           num_blocks * cc.block_size, max_len)
+            # A request that can never fit would preempt itself forever.
+            raise ValueError(
+                f"max_model_len={max_len} is more than the KV cache holds "
+                f"({num_blocks} blocks x {cc.block_size} = {num_blocks * cc.block_size} tokens); "
+                "raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+            )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d bytes per block)",
             num_blocks, cc.block_size, num_blocks * cc.block_size,

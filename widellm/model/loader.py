@@ -29,10 +29,10 @@ def resolve_model_path(model: str | None) -> str:
 
         return default_model_path()
     if model.startswith(PRESET_PREFIX):
-        from widellm.model.presets import is_preset, resolve_preset
+        from widellm.model.presets import PRESETS, resolve_preset
 
-        if not is_preset(model):
-            raise ValueError(f"model {model!r}: unknown preset")
+        if model[len(PRESET_PREFIX):] not in PRESETS:
+            raise ValueError(f"model {model!r}: unknown preset; known: {', '.join(sorted(PRESETS))}")
         return resolve_preset(model)
     if os.path.isfile(model) and model.endswith(".gguf"):
         return model

@@ -1,0 +1,64 @@
+"""``widellm bench throughput``: offline throughput on random token-id prompts, greedy with
+``ignore_eos`` so every request yields exactly ``--output-len`` tokens."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+from widellm.bench.datasets import random_token_prompts
+from widellm.engine.arg_utils import EngineArgs
+
+KIB = 1024
+GIB = 1 << 30
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--dataset-seed", type=int, default=0)
+    parser.add_argument("--output-json", type=str, default=None)
+    EngineArgs.add_cli_args(parser)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process (the engine runs in it offline), in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB
+
+
+def run(args: argparse.Namespace) -> dict:
+    from widellm import LLM, SamplingParams
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    prompts = random_token_prompts(args.num_prompts, args.input_len, vocab, args.dataset_seed)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_in = sum(len(p) for p in prompts)
+    result = {
+        "model": llm.llm_engine.config.model_config.served_name,
+        "num_prompts": len(prompts),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(prompts) / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "peak_rss_gib": peak_rss_bytes() / GIB,
+    }
+    print(
+        f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+        f"{result['output_tokens_per_s']:.1f} output tok/s, "
+        f"{result['total_tokens_per_s']:.1f} total tok/s, "
+        f"peak RSS {result['peak_rss_gib']:.2f} GiB ({elapsed:.1f} s)"
+    )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

@@ -1,0 +1,91 @@
+"""``widellm`` command line: generate, chat, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from widellm.engine.arg_utils import EngineArgs
+
+LOG_LEVEL_ENV = "WIDELLM_LOGGING_LEVEL"
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sampling-seed", type=int, default=None,
+                        help="per-request seed (--seed seeds the engine)")
+
+
+def _sampling_params(args: argparse.Namespace):
+    from widellm import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from widellm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+    for out in llm.generate(args.prompt, _sampling_params(args), use_tqdm=False):
+        print(out.outputs[0].text)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from widellm.entrypoints.chat import run_chat
+
+    run_chat(EngineArgs.from_cli_args(args), _sampling_params(args), args.message)
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> None:
+    from widellm.bench.throughput import run
+
+    run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="widellm")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one or more prompts")
+    gen.add_argument("prompt", nargs="+")
+    _sampling_args(gen)
+    EngineArgs.add_cli_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat in the terminal (one turn if MESSAGE is given)")
+    chat.add_argument("message", nargs="?", default=None)
+    _sampling_args(chat)
+    EngineArgs.add_cli_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
+    from widellm.bench.throughput import add_cli_args
+
+    add_cli_args(tp)
+    tp.set_defaults(func=cmd_bench_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(
+        level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
