@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
+    parser.add_argument(
+        "--experts-implementation",
+        default=None,
+        help="transformers MoE kernel (eager, grouped_mm, batched_mm); default: its own choice",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--output-json", default=None, help="write the results here too")
     return parser.parse_args(argv)
@@ -64,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     start_load = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    load_kwargs = {}
+    if args.experts_implementation is not None:
+        load_kwargs["experts_implementation"] = args.experts_implementation
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype), **load_kwargs
+    )
     model.eval()
     load_s = time.perf_counter() - start_load
 
@@ -106,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "batch_size": args.batch_size,
         "threads": torch.get_num_threads(),
+        # transformers picks these kernels itself; record them since they set the speed.
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "experts_implementation": getattr(model.config, "_experts_implementation", None),
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,

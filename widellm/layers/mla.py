@@ -99,13 +99,15 @@ class MLAAttention(nn.Module):
     def _decode_absorbed(
         self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """q [D, H, nope+rope], ctx [D, L, kv_lora+rope], mask [D, 1, 1, L] -> [D, H, v]."""
+        """q [D, H, nope+rope], ctx [D, L, kv_lora+rope], mask [D, 1, 1, L] -> [D, H, v].
+
+        All H query heads share one latent "key head", so scores are a plain batched matmul
+        with H as the row dimension (no per-head expansion of the context)."""
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D, H, kv_lora]
-        q_cat = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(2)  # [D, H, 1, kv_lora+rope]
-        k = ctx.unsqueeze(1)  # [D, 1, L, kv_lora+rope]
-        v = ctx[..., : self.kv_lora_rank].unsqueeze(1)  # [D, 1, L, kv_lora]
-        o_lat = F.scaled_dot_product_attention(
-            q_cat, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
-        ).squeeze(2)  # [D, H, kv_lora]
+        q_cat = torch.cat([q_lat, q_pe], dim=-1)  # [D, H, kv_lora+rope]
+        scores = torch.bmm(q_cat, ctx.transpose(1, 2)).float() * self.scale  # [D, H, L]
+        scores.masked_fill_(~mask[:, 0], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(ctx.dtype)
+        o_lat = torch.bmm(probs, ctx[..., : self.kv_lora_rank])  # [D, H, kv_lora]
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)
