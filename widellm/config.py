@@ -96,6 +96,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 4096
+    # Schedule step N+1 while step N runs, with placeholders for its sampled tokens.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -41,12 +41,15 @@ class Request:
     ``num_computed_tokens`` counts tokens whose KV is in the cache (or scheduled to be written
     this step); the request wants ``num_tokens - num_computed_tokens`` more computed.
     ``block_hashes[i]`` is the prefix-cache hash of full block ``i`` of ``all_token_ids``.
+    With async scheduling, ``num_output_placeholders`` tokens are being sampled by steps in
+    flight; the next step is scheduled as if they were known.
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "output_token_ids", "all_token_ids", "num_computed_tokens", "num_cached_tokens",
         "block_hashes", "status", "stop_reason", "max_tokens", "num_preemptions",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -72,6 +75,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Async scheduling: tokens being sampled by steps still in flight.
+        self.num_output_placeholders = 0
 
     @property
     def num_prompt_tokens(self) -> int:

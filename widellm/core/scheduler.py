@@ -81,7 +81,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(self._num_tokens_wanted(req), budget)
+            if num_new == 0:
+                i += 1  # its in-flight steps already produce every token it may still get
+                continue
             new_blocks = self.kv_cache_manager.allocate_slots(req, num_new)
             while new_blocks is None:
                 victim = self.running.pop()  # most recently admitted; never one scheduled yet
@@ -143,8 +146,20 @@ class Scheduler:
         self.finished_req_ids = set()
         # Tokens scheduled now count as computed: the next schedule() builds on them.
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            reaches_end = req.num_computed_tokens == req.num_tokens + req.num_output_placeholders
+            if self.config.async_scheduling and reaches_end:
+                req.num_output_placeholders += 1
         return out
+
+    def _num_tokens_wanted(self, req: Request) -> int:
+        """Tokens to compute next; none when in-flight samples already reach a length limit."""
+        pending = req.num_output_placeholders
+        if pending and (req.num_output_tokens + pending >= req.max_tokens
+                        or req.num_tokens + pending >= self.max_model_len):
+            return 0
+        return req.num_tokens + pending - req.num_computed_tokens
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -157,6 +172,7 @@ class Scheduler:
             idx = runner_output.req_id_to_index[req_id]
             new_ids: list[int] = []
             for token_id in runner_output.sampled_token_ids[idx]:
+                req.num_output_placeholders = max(req.num_output_placeholders - 1, 0)
                 req.append_output_token(token_id)
                 new_ids.append(token_id)
                 if self._check_stop(req):
@@ -212,6 +228,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # what its in-flight steps sample is discarded
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -46,6 +46,8 @@ class EngineArgs:
         "help": "fraction of available memory for the KV cache when --kv-cache-memory is unset"})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "exact KV block count"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
+    async_scheduling: bool = field(default=True, metadata={
+        "help": "schedule the next step while the current one runs"})
     data_parallel_size: int = field(default=1, metadata={"help": "engine cores (DP ranks)"})
     enable_expert_parallel: bool = field(default=False, metadata={
         "help": "shard routed experts over the DP ranks"})
@@ -102,6 +104,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(
                 data_parallel_size=self.data_parallel_size,

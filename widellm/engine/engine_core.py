@@ -7,6 +7,8 @@ token ids: ``EngineCoreRequest`` in, ``EngineCoreOutput`` out.
 from __future__ import annotations
 
 import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
@@ -14,6 +16,8 @@ from widellm.config import EngineConfig
 from widellm.core.outputs import EngineCoreOutput
 from widellm.core.request import Request
 from widellm.core.scheduler import Scheduler
+from widellm.core.outputs import ModelRunnerOutput
+from widellm.core.scheduler_output import SchedulerOutput
 from widellm.sampling_params import SamplingParams
 from widellm.worker.kv_cache import available_memory_bytes
 from widellm.worker.model_runner import ModelRunner
@@ -38,6 +42,13 @@ class EngineCore:
         num_blocks = self._determine_num_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # Async scheduling: steps submitted to the runner thread, oldest first.
+        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self._runner_thread = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="widellm-runner")
+            if self.async_scheduling else None
+        )
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(
@@ -49,12 +60,36 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.async_scheduling:
+            return self.step_with_batch_queue()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Keep two steps in flight: schedule N+1 (with placeholders for N's samples) while
+        the runner thread executes N, then collect N. The runner executes steps in order and
+        feeds N's sampled tokens into N+1 itself, so outputs equal synchronous scheduling."""
+        if len(self.batch_queue) < 2 and self.scheduler.has_unfinished_requests():
+            so = self.scheduler.schedule()
+            # An empty step still goes through the runner thread when it carries finished or
+            # preempted ids: the runner must drop their state, in order.
+            if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
+                self.batch_queue.append((so, self._runner_thread.submit(
+                    self.model_runner.execute_model, so)))
+                if len(self.batch_queue) < 2 and not so.is_empty:
+                    return []  # fill the pipeline before blocking on a result
+        if not self.batch_queue:
+            return []
+        so, future = self.batch_queue.popleft()
+        return self.scheduler.update_from_output(so, future.result())
+
+    def shutdown(self) -> None:
+        if self._runner_thread is not None:
+            self._runner_thread.shutdown(wait=True, cancel_futures=True)
 
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache_config

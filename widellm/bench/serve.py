@@ -1,0 +1,342 @@
+"""``widellm bench serve``: an asyncio load generator for any OpenAI-compatible server
+(widellm, ``vllm serve``, SGLang, ...).
+
+Every request streams, so the client sees each token chunk arrive: time to first token,
+inter-token gaps and end-to-end latency are measured per request, then summarised by
+:mod:`widellm.bench.serve_metrics`. Prompts are random token ids (the same list on every
+engine); ``ignore_eos`` plus ``min_tokens`` make every engine generate exactly
+``--output-len`` tokens. A failed request is recorded, never raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from http import HTTPStatus
+
+import httpx
+from tqdm.auto import tqdm
+
+from widellm.bench.datasets import random_token_prompts
+from widellm.bench.serve_metrics import (
+    RequestRecord,
+    compute_metrics,
+    format_summary,
+    metrics_to_dict,
+)
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+CHAT_ENDPOINT = "/v1/chat/completions"
+MODELS_ENDPOINT = "/v1/models"
+API_KEY_ENV = "OPENAI_API_KEY"
+# Per request; long enough that only a hung server ever hits it.
+DEFAULT_REQUEST_TIMEOUT_S = 3600.0
+SSE_DATA_PREFIX = "data:"
+SSE_DONE = "[DONE]"
+# Longest server error body kept in a record, so one bad reply cannot bloat the JSON.
+MAX_ERROR_CHARS = 500
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One prompt to send: token ids for completions, text for chat."""
+
+    prompt: list[int] | str
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """What every request of a run shares."""
+
+    api_url: str
+    model: str
+    output_len: int
+    temperature: float = 0.0
+    api_key: str | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.api_url.rstrip("/").endswith("chat/completions")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``widellm bench serve`` (named as in ``vllm bench serve``)."""
+    parser.add_argument("--base-url", type=str, default=DEFAULT_BASE_URL,
+                        help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--endpoint", type=str, default=COMPLETIONS_ENDPOINT,
+                        help=f"{COMPLETIONS_ENDPOINT} (token-id prompts) or {CHAT_ENDPOINT} "
+                             "(prompts decoded to text)")
+    parser.add_argument("--model", type=str, default=None,
+                        help=f"model name sent in requests; default: the first of "
+                             f"{MODELS_ENDPOINT}")
+    parser.add_argument("--tokenizer", type=str, default=None,
+                        help="local tokenizer folder or .gguf file: gives the vocabulary size "
+                             "and decodes chat prompts (default: --model if it is a path)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="draw prompt ids below this (default: the tokenizer's size)")
+    parser.add_argument("--dataset", type=str, default="random", choices=["random"])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests per second, Poisson arrivals; inf sends all at once")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="at most this many requests in flight")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the prompts and the arrival times")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--api-key", type=str, default=os.environ.get(API_KEY_ENV),
+                        help=f"bearer token (default: ${API_KEY_ENV})")
+    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                        help="seconds before one request is abandoned")
+    parser.add_argument("--output-json", type=str, default=None,
+                        help="write the summary and every request's record here")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def build_payload(settings: RequestSettings, sample: SampleRequest) -> dict:
+    """The JSON body of one streaming request."""
+    payload: dict = {
+        "model": settings.model,
+        "max_tokens": settings.output_len,
+        # Both extras are vLLM/SGLang/widellm sampling fields: generate exactly output_len.
+        "min_tokens": settings.output_len,
+        "ignore_eos": True,
+        "temperature": settings.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if settings.is_chat:
+        payload["messages"] = [{"role": "user", "content": sample.prompt}]
+        # The newer OpenAI name for chat; servers that know only max_tokens ignore it.
+        payload["max_completion_tokens"] = settings.output_len
+    else:
+        payload["prompt"] = sample.prompt
+    return payload
+
+
+def parse_sse_data(line: str) -> str | None:
+    """The payload of an SSE ``data:`` line; None for blank, comment or other field lines."""
+    line = line.strip()
+    if not line.startswith(SSE_DATA_PREFIX):
+        return None
+    return line[len(SSE_DATA_PREFIX):].strip()
+
+
+def chunk_text(chunk: dict) -> str:
+    """Generated text carried by a completions or chat stream chunk ('' for none)."""
+    parts = []
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        # Reasoning models stream their thinking separately; it is still generated tokens.
+        parts.append(choice.get("text") or delta.get("content")
+                     or delta.get("reasoning_content") or "")
+    return "".join(parts)
+
+
+async def send_request(
+    client: httpx.AsyncClient, settings: RequestSettings, sample: SampleRequest
+) -> RequestRecord:
+    """Stream one request and time its chunks; any failure lands in ``record.error``."""
+    record = RequestRecord(prompt_len=sample.prompt_len)
+    num_chunks = 0
+    usage_tokens: int | None = None
+    start = last = time.perf_counter()
+    record.start_time = start
+    try:
+        async with client.stream("POST", settings.api_url, json=build_payload(settings, sample),
+                                 headers=settings.headers()) as response:
+            if response.status_code != HTTPStatus.OK:
+                body = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {body[:MAX_ERROR_CHARS]}"
+                return record
+            async for line in response.aiter_lines():
+                data = parse_sse_data(line)
+                if not data:
+                    continue
+                if data == SSE_DONE:
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    record.error = f"stream error: {str(chunk['error'])[:MAX_ERROR_CHARS]}"
+                    return record
+                now = time.perf_counter()
+                if chunk_text(chunk):
+                    if num_chunks == 0:
+                        record.ttft = now - start
+                    else:
+                        record.itl.append(now - last)
+                    last = now
+                    num_chunks += 1
+                usage = chunk.get("usage")
+                if usage:
+                    usage_tokens = usage.get("completion_tokens", usage_tokens)
+                    record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
+        record.latency = time.perf_counter() - start
+    except Exception as e:  # noqa: BLE001 -- one broken request must not end the benchmark
+        record.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+        return record
+    if num_chunks == 0:
+        record.error = "stream ended without any generated text"
+        return record
+    record.output_tokens = usage_tokens if usage_tokens is not None else num_chunks
+    record.success = True
+    return record
+
+
+def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent: a Poisson process of
+    ``request_rate`` per second (the first at 0), or all at 0 for an infinite rate."""
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for i in range(num_requests):
+        if i:
+            t += rng.expovariate(request_rate)
+        offsets.append(t)
+    return offsets
+
+
+async def benchmark(
+    settings: RequestSettings,
+    samples: list[SampleRequest],
+    *,
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+    disable_tqdm: bool = True,
+) -> tuple[list[RequestRecord], float]:
+    """Send ``samples`` on the arrival schedule; return their records (in sample order) and
+    the wall time from the first send to the last completion."""
+    limiter = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    # The client's own pool must never queue a request the benchmark has released.
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=None)
+    progress = tqdm(total=len(samples), disable=disable_tqdm)
+
+    async def one(client: httpx.AsyncClient, sample: SampleRequest) -> RequestRecord:
+        if limiter is None:
+            record = await send_request(client, settings, sample)
+        else:
+            async with limiter:
+                record = await send_request(client, settings, sample)
+        progress.update(1)
+        return record
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout),
+                                 limits=limits) as client:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks = []
+        for offset, sample in zip(arrival_offsets(len(samples), request_rate, seed), samples):
+            # Sleep to an absolute deadline so scheduling delays do not accumulate.
+            await asyncio.sleep(max(0.0, start + offset - loop.time()))
+            tasks.append(asyncio.create_task(one(client, sample)))
+        records = await asyncio.gather(*tasks)
+        duration = loop.time() - start
+    progress.close()
+    return list(records), duration
+
+
+def fetch_first_model(base_url: str, api_key: str | None, timeout: float) -> str:
+    """The id of the first model the server lists."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(base_url.rstrip("/") + MODELS_ENDPOINT, headers=headers,
+                         timeout=timeout)
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url}{MODELS_ENDPOINT} lists no models; pass --model")
+    return models[0]["id"]
+
+
+def build_samples(args: argparse.Namespace, is_chat: bool) -> list[SampleRequest]:
+    """Random token-id prompts; decoded to text for chat, which needs a tokenizer."""
+    tokenizer_path = args.tokenizer
+    if tokenizer_path is None and args.model and os.path.exists(args.model):
+        tokenizer_path = args.model
+    if tokenizer_path is None and (is_chat or args.vocab_size is None):
+        need = "chat prompts are decoded" if is_chat else "the vocabulary size is unknown"
+        raise ValueError(f"pass --tokenizer ({need}; --vocab-size alone serves completions)")
+    tokenizer = None
+    if tokenizer_path is not None:
+        from widellm.engine.tokenizer import get_tokenizer
+
+        tokenizer = get_tokenizer(tokenizer_path)
+    vocab_size = args.vocab_size if args.vocab_size is not None else len(tokenizer)
+    ids = random_token_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    if is_chat:
+        return [SampleRequest(tokenizer.decode(p), args.input_len) for p in ids]
+    return [SampleRequest(p, args.input_len) for p in ids]
+
+
+def _validate(args: argparse.Namespace) -> None:
+    positive = {"--num-prompts": args.num_prompts, "--input-len": args.input_len,
+                "--output-len": args.output_len, "--request-rate": args.request_rate,
+                "--request-timeout": args.request_timeout}
+    if args.max_concurrency is not None:
+        positive["--max-concurrency"] = args.max_concurrency
+    for flag, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Run the benchmark described by ``args``; print the summary and return it (with the
+    per-request records under ``"requests"``), also written to ``--output-json``."""
+    _validate(args)
+    model = args.model or fetch_first_model(args.base_url, args.api_key, args.request_timeout)
+    settings = RequestSettings(
+        api_url=args.base_url.rstrip("/") + args.endpoint, model=model,
+        output_len=args.output_len, temperature=args.temperature, api_key=args.api_key,
+    )
+    samples = build_samples(args, settings.is_chat)
+    print(f"Benchmarking {settings.api_url} (model {model}): {len(samples)} prompts, "
+          f"request rate {args.request_rate}, max concurrency {args.max_concurrency}")
+    records, duration = asyncio.run(benchmark(
+        settings, samples, request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency, seed=args.seed,
+        request_timeout=args.request_timeout, disable_tqdm=args.disable_tqdm,
+    ))
+    metrics = compute_metrics(records, duration)
+    print(format_summary(metrics))
+    result = {
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "base_url": args.base_url,
+        "endpoint": args.endpoint,
+        "model": model,
+        "dataset": args.dataset,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        # JSON has no infinity; keep the flag's spelling.
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        **metrics_to_dict(metrics),
+        "requests": [asdict(r) for r in records],
+    }
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m widellm.bench.serve",
+                                      description=__doc__.splitlines()[0])
+    add_cli_args(_parser)
+    main(_parser.parse_args())
