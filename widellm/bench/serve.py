@@ -313,6 +313,9 @@ def main(args: argparse.Namespace) -> dict:
     ))
     metrics = compute_metrics(records, duration)
     print(format_summary(metrics))
+    if metrics.failed:
+        first_error = next(r.error for r in records if not r.success)
+        print(f"{metrics.failed} request(s) failed; the first: {first_error}")
     result = {
         "date": datetime.now().isoformat(timespec="seconds"),
         "base_url": args.base_url,
@@ -335,8 +338,12 @@ def main(args: argparse.Namespace) -> dict:
     return result
 
 
+def _cli() -> None:
+    parser = argparse.ArgumentParser(prog="python -m widellm.bench.serve",
+                                     description=__doc__.splitlines()[0])
+    add_cli_args(parser)
+    main(parser.parse_args())
+
+
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m widellm.bench.serve",
-                                      description=__doc__.splitlines()[0])
-    add_cli_args(_parser)
-    main(_parser.parse_args())
+    _cli()

@@ -48,6 +48,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> None:
     run(args)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> None:
+    from widellm.bench.serve import main as bench_serve_main
+
+    bench_serve_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="widellm")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cli_args(tp)
     tp.set_defaults(func=cmd_bench_throughput)
+    sv = bench_sub.add_parser("serve", help="load an OpenAI-compatible server over HTTP")
+    from widellm.bench.serve import add_cli_args as add_serve_args
+
+    add_serve_args(sv)
+    sv.set_defaults(func=cmd_bench_serve)
     return parser
 
 
