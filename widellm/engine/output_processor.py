@@ -55,6 +55,7 @@ class _ParentState:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    prev_token_time: float | None = None  # last token time before the latest update
     last_token_time: float | None = None
     num_unfinished: int = 0
 
@@ -166,6 +167,7 @@ class OutputProcessor:
     ) -> None:
         if out.new_token_ids:
             parent.first_token_time = parent.first_token_time or now
+            parent.prev_token_time = parent.last_token_time
             parent.last_token_time = now
         parent.num_cached_tokens = out.num_cached_tokens
         if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
@@ -232,6 +234,7 @@ class OutputProcessor:
             metrics={
                 "arrival_time": parent.arrival_time,
                 "first_token_time": parent.first_token_time,
+                "prev_token_time": parent.prev_token_time,
                 "last_token_time": parent.last_token_time,
             },
         )

@@ -1,0 +1,151 @@
+"""AsyncLLM: the server's engine. Tokenizes and validates in the frontend, sends requests to
+the engine-core process, turns its token batches into streamed ``RequestOutput`` deltas.
+
+One background task reads the core's output socket and feeds per-request queues; ``generate``
+is an async iterator over one request's queue. A consumer that stops iterating (a client that
+disconnected) aborts its request, so its KV blocks are freed within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+
+from widellm.engine.arg_utils import EngineArgs
+from widellm.engine.core_client import EngineCoreClient, EngineDeadError
+from widellm.engine.metrics import EngineMetrics
+from widellm.engine.output_processor import OutputProcessor, RequestOutputKind
+from widellm.engine.processor import InputProcessor, PromptType
+from widellm.engine.tokenizer import get_tokenizer
+from widellm.model.loader import load_eos_token_ids
+from widellm.outputs import RequestOutput
+from widellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How often the output loop wakes without output to check that the core is still alive.
+HEALTH_POLL_S = 0.5
+
+
+class AsyncLLM:
+    def __init__(self, engine_args: EngineArgs) -> None:
+        self.config = engine_args.create_engine_config()
+        self.model_config = self.config.model_config
+        self.tokenizer = get_tokenizer(self.model_config.tokenizer)
+        eos = load_eos_token_ids(self.model_config.model, self.model_config.hf_config)
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos = [self.tokenizer.eos_token_id]
+        self.processor = InputProcessor(self.model_config, self.tokenizer, eos)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics(self.model_config.served_name)
+        self.client = EngineCoreClient(self.config)
+        self.dead_error: str | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._output_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
+        return cls(engine_args)
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None or not self.client.is_alive()
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise EngineDeadError(self.dead_error or "engine core process is not running")
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield DELTA outputs until the request finishes. Raises ValueError for bad input
+        (before anything is queued) and EngineDeadError if the core dies meanwhile."""
+        await self.check_health()
+        self._ensure_output_task()
+        text, token_ids = self.processor.tokenize(prompt)
+        self.processor.validate_prompt(token_ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        core_ids = self.output_processor.add_request(
+            request_id, text, token_ids, sampling_params, RequestOutputKind.DELTA
+        )
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            for req in self.processor.make_core_requests(request_id, token_ids, sampling_params,
+                                                         core_ids):
+                await self.client.add_request(req)
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # consumer went away or the engine died: free its blocks
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        core_ids = self.output_processor.abort_requests([request_id])
+        self._queues.pop(request_id, None)
+        if core_ids and not self.errored:
+            await self.client.abort_requests(core_ids)
+
+    def _ensure_output_task(self) -> None:
+        if self._output_task is None or self._output_task.done():
+            self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                batch = await self.client.get_output(HEALTH_POLL_S)
+                if batch is None:
+                    if not self.client.is_alive():
+                        raise EngineDeadError(
+                            f"engine core process exited (exit code {self.client.proc.exitcode})"
+                        )
+                    continue
+                if batch.engine_error is not None:
+                    raise EngineDeadError(f"engine core failed: {batch.engine_error}")
+                if batch.scheduler_stats is not None:
+                    self.metrics.record_scheduler_stats(batch.scheduler_stats)
+                outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
+                self._record(outputs)
+                for out in outputs:
+                    q = self._queues.get(out.request_id)
+                    if q is not None:
+                        q.put_nowait(out)
+                if to_abort:
+                    await self.client.abort_requests(to_abort)
+                self.metrics.maybe_log()
+        except EngineDeadError as e:
+            self.dead_error = str(e)
+            logger.error("%s; failing %d in-flight requests", e, len(self._queues))
+            for q in self._queues.values():
+                q.put_nowait(EngineDeadError(str(e)))
+
+    def _record(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            m = out.metrics
+            n = sum(len(c.token_ids) for c in out.outputs)
+            first = m.get("first_token_time")
+            prev = m.get("prev_token_time")
+            if n and first is not None and first == m.get("last_token_time") and prev is None:
+                self.metrics.record_first_token(first - m["arrival_time"])
+                self.metrics.record_tokens(n, None)
+            elif n:
+                self.metrics.record_tokens(n, (m["last_token_time"] - prev) if prev else None)
+            if out.finished:
+                reason = out.outputs[0].finish_reason if out.outputs else None
+                self.metrics.record_finished(len(out.prompt_token_ids), now - m["arrival_time"],
+                                             reason)
+
+    def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self.client.shutdown()
