@@ -18,8 +18,6 @@ from widellm.engine.core_client import EngineCoreClient, EngineDeadError
 from widellm.engine.metrics import EngineMetrics
 from widellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from widellm.engine.processor import InputProcessor, PromptType
-from widellm.engine.tokenizer import get_tokenizer
-from widellm.model.loader import load_eos_token_ids
 from widellm.outputs import RequestOutput
 from widellm.sampling_params import SamplingParams
 
@@ -33,11 +31,8 @@ class AsyncLLM:
     def __init__(self, engine_args: EngineArgs) -> None:
         self.config = engine_args.create_engine_config()
         self.model_config = self.config.model_config
-        self.tokenizer = get_tokenizer(self.model_config.tokenizer)
-        eos = load_eos_token_ids(self.model_config.model, self.model_config.hf_config)
-        if not eos and self.tokenizer.eos_token_id is not None:
-            eos = [self.tokenizer.eos_token_id]
-        self.processor = InputProcessor(self.model_config, self.tokenizer, eos)
+        self.processor = InputProcessor.from_model_config(self.model_config)
+        self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.model_config.served_name)
         self.client = EngineCoreClient(self.config)

@@ -13,8 +13,6 @@ from widellm.engine.arg_utils import EngineArgs
 from widellm.engine.engine_core import EngineCore
 from widellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from widellm.engine.processor import InputProcessor, PromptType
-from widellm.engine.tokenizer import get_tokenizer
-from widellm.model.loader import load_eos_token_ids
 from widellm.outputs import RequestOutput
 from widellm.sampling_params import SamplingParams
 
@@ -26,11 +24,8 @@ class LLMEngine:
         self.config = engine_args.create_engine_config()
         mc = self.config.model_config
         torch.manual_seed(mc.seed)
-        self.tokenizer = get_tokenizer(mc.tokenizer)
-        eos = load_eos_token_ids(mc.model, mc.hf_config)
-        if not eos and self.tokenizer.eos_token_id is not None:
-            eos = [self.tokenizer.eos_token_id]
-        self.processor = InputProcessor(mc, self.tokenizer, eos)
+        self.processor = InputProcessor.from_model_config(mc)
+        self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(self.config)
         self._ids = itertools.count()

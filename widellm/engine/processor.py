@@ -14,6 +14,8 @@ from transformers import PreTrainedTokenizerBase
 
 from widellm.config import ModelConfig
 from widellm.engine.engine_core import EngineCoreRequest
+from widellm.engine.tokenizer import get_tokenizer
+from widellm.model.loader import load_eos_token_ids
 from widellm.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} as in vLLM.
@@ -21,6 +23,15 @@ PromptType = str | Sequence[int] | dict[str, Any]
 
 
 class InputProcessor:
+    @classmethod
+    def from_model_config(cls, model_config: ModelConfig) -> "InputProcessor":
+        """Tokenizer and EOS ids (generation config first, else the tokenizer's EOS)."""
+        tokenizer = get_tokenizer(model_config.tokenizer)
+        eos = load_eos_token_ids(model_config.model, model_config.hf_config)
+        if not eos and tokenizer.eos_token_id is not None:
+            eos = [tokenizer.eos_token_id]
+        return cls(model_config, tokenizer, eos)
+
     def __init__(
         self,
         model_config: ModelConfig,
