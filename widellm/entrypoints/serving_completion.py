@@ -1,0 +1,185 @@
+"""POST /v1/completions: one engine request per prompt, ``n`` choices each (choice index =
+prompt index * n + sample index), streamed as SSE chunks or returned whole."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from widellm.entrypoints.protocol import (
+    CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
+    CompletionStreamResponse, UsageInfo,
+)
+from widellm.entrypoints.serving_base import OpenAIServing, random_uuid
+from widellm.entrypoints.streaming import (
+    client_closed_response, merge_async_iterators, run_unless_disconnected, sse_response,
+)
+from widellm.outputs import CompletionOutput, Logprob, RequestOutput
+from widellm.sampling_params import SamplingParams
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        model = self.model_name(request.model)
+        self.check_engine()
+        self.check_n(request.n)
+        params = self.sampling_params(request)
+        prompts = [self.tokenize_prompt(p) for p in request.prompts()]
+        for _, ids in prompts:
+            self.check_length(len(ids), params.max_tokens, "prompt")
+        run = _CompletionRun(self, request, params, model, prompts)
+        if request.stream:
+            return sse_response(run.stream())
+        completed, response = await run_unless_disconnected(run.collect(), raw_request)
+        if not completed:
+            return client_closed_response()
+        return JSONResponse(response.model_dump())
+
+
+@dataclass
+class _ChoiceState:
+    """What one choice has produced so far."""
+
+    started: bool = False  # echo goes before the first delta
+    finished: bool = False
+    num_tokens: int = 0
+    text_offset: int = 0  # characters so far, for logprobs' text_offset
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob] | None], num_top: int,
+    text_offset: int, decode,
+) -> CompletionLogProbs:
+    """The legacy format for these positions: each token, its logprob, the ``num_top`` most
+    likely tokens, and where the token starts in the choice's text. A ``None`` position (the
+    first prompt token, which nothing predicts) has no logprob."""
+    result = CompletionLogProbs()
+    for token_id, position in zip(token_ids, logprobs):
+        if position is None:
+            token, logprob, top = decode(token_id), None, None
+        else:
+            entry = position[token_id]
+            token = entry.decoded_token if entry.decoded_token is not None else decode(token_id)
+            logprob = entry.logprob
+            ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= num_top),
+                            key=lambda lp: lp.rank)
+            top = {lp.decoded_token or "": lp.logprob for lp in ranked}
+        result.tokens.append(token)
+        result.token_logprobs.append(logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+class _CompletionRun:
+    """One request's engine requests and the choices they feed."""
+
+    def __init__(self, serving: OpenAIServingCompletion, request: CompletionRequest,
+                 params: SamplingParams, model: str,
+                 prompts: list[tuple[str | None, list[int]]]) -> None:
+        self.serving = serving
+        self.request = request
+        self.params = params
+        self.model = model
+        self.prompts = prompts
+        self.request_id = f"cmpl-{random_uuid()}"
+        self.created = int(time.time())
+        self.choices = [_ChoiceState() for _ in range(len(prompts) * params.n)]
+
+    def _decode(self, token_id: int) -> str:
+        return self.serving.tokenizer.decode([token_id])
+
+    def _prompt_text(self, prompt_index: int) -> str:
+        text, ids = self.prompts[prompt_index]
+        return text if text is not None else self.serving.tokenizer.decode(ids)
+
+    async def _deltas(self) -> AsyncIterator[CompletionResponseChoice]:
+        engine = self.serving.engine
+        generators = [
+            engine.generate({"prompt": text, "prompt_token_ids": ids}, self.params,
+                            f"{self.request_id}-{i}")
+            for i, (text, ids) in enumerate(self.prompts)
+        ]
+        async with aclosing(merge_async_iterators(generators)) as merged:
+            async for prompt_index, output in merged:
+                for sample in output.outputs:
+                    delta = self._delta(prompt_index, output, sample)
+                    if delta is not None:
+                        yield delta
+
+    def _delta(self, prompt_index: int, output: RequestOutput,
+               sample: CompletionOutput) -> CompletionResponseChoice | None:
+        """The choice's new text (and logprobs); None when there is nothing to send."""
+        index = prompt_index * self.params.n + sample.index
+        state = self.choices[index]
+        if state.finished:  # already closed; later outputs repeat only its finish reason
+            return None
+        state.num_tokens += len(sample.token_ids)
+        text = sample.text
+        logprobs = None
+        want_logprobs = self.request.logprobs is not None
+        if want_logprobs:
+            logprobs = CompletionLogProbs()
+        if not state.started:
+            state.started = True
+            if self.request.echo:
+                prompt_text = self._prompt_text(prompt_index)
+                if want_logprobs:
+                    ids = output.prompt_token_ids
+                    logprobs = completion_logprobs(
+                        ids, (output.prompt_logprobs or [None] * len(ids))[:len(ids)],
+                        self.request.logprobs, state.text_offset, self._decode)
+                    # Offsets follow the echoed text, not the concatenated token strings.
+                    state.text_offset = len(prompt_text)
+                text = prompt_text + text
+        if want_logprobs:
+            new = completion_logprobs(sample.token_ids, sample.logprobs or [],
+                                      self.request.logprobs, state.text_offset, self._decode)
+            for name in CompletionLogProbs.model_fields:
+                getattr(logprobs, name).extend(getattr(new, name))
+            state.text_offset += sum(len(t) for t in new.tokens)
+        state.finished = sample.finish_reason is not None
+        if not text and not state.finished and not (logprobs and logprobs.tokens):
+            return None
+        return CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
+                                        finish_reason=sample.finish_reason,
+                                        stop_reason=sample.stop_reason)
+
+    def usage(self) -> UsageInfo:
+        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        completion_tokens = sum(c.num_tokens for c in self.choices)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+    async def stream(self) -> AsyncIterator[CompletionStreamResponse]:
+        async with aclosing(self._deltas()) as deltas:
+            async for choice in deltas:
+                yield CompletionStreamResponse(id=self.request_id, created=self.created,
+                                               model=self.model, choices=[choice])
+        if self.request.include_usage:
+            yield CompletionStreamResponse(id=self.request_id, created=self.created,
+                                           model=self.model, choices=[], usage=self.usage())
+
+    async def collect(self) -> CompletionResponse:
+        merged: dict[int, CompletionResponseChoice] = {}
+        async with aclosing(self._deltas()) as deltas:
+            async for delta in deltas:
+                whole = merged.get(delta.index)
+                if whole is None:
+                    merged[delta.index] = delta
+                    continue
+                whole.text += delta.text
+                whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
+                if whole.logprobs is not None and delta.logprobs is not None:
+                    for name in CompletionLogProbs.model_fields:
+                        getattr(whole.logprobs, name).extend(getattr(delta.logprobs, name))
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                  choices=[merged[i] for i in sorted(merged)],
+                                  usage=self.usage())
