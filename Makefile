@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-PROMPT ?= What is the capital of France?
+# Port of the OpenAI-compatible server that `make run` starts.
+PORT ?= 8000
 
 .PHONY: run test install clean
 
@@ -19,8 +20,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Serves the default model; the server logs a curl command to call it once it is up.
 run: $(STAMP)
-	$(VENV)/bin/widellm chat "$(PROMPT)"
+	$(VENV)/bin/widellm serve --port $(PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -x --durations=15

@@ -170,7 +170,8 @@ class OutputProcessor:
             parent.prev_token_time = parent.last_token_time
             parent.last_token_time = now
         parent.num_cached_tokens = out.num_cached_tokens
-        if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
+        # Every sample of an n > 1 request computes the same prompt logprobs; keep one copy.
+        if out.new_prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
             parent.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and sample.logprobs is not None:

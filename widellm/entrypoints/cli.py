@@ -1,4 +1,4 @@
-"""``widellm`` command line: generate, chat, bench."""
+"""``widellm`` command line: serve, generate, chat, bench."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import sys
 
 from widellm.engine.arg_utils import EngineArgs
+from widellm.entrypoints.server_args import add_server_cli_args
 
 LOG_LEVEL_ENV = "WIDELLM_LOGGING_LEVEL"
 
@@ -42,6 +43,12 @@ def cmd_chat(args: argparse.Namespace) -> None:
     run_chat(EngineArgs.from_cli_args(args), _sampling_params(args), args.message)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from widellm.entrypoints.api_server import run_server
+
+    run_server(args)
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
     from widellm.bench.throughput import run
 
@@ -57,6 +64,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="widellm")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_server_cli_args(serve)
+    EngineArgs.add_cli_args(serve, positional_model=True)
+    serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="complete one or more prompts")
     gen.add_argument("prompt", nargs="+")

@@ -176,7 +176,13 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}")
         logprobs = (top or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens=self.effective_max_tokens, logprobs=logprobs)
+        try:
+            return self._sampling_params(max_tokens=self.effective_max_tokens, logprobs=logprobs)
+        except ValueError as e:
+            # Name the field the client actually sent.
+            if self.max_completion_tokens is not None and str(e).startswith("max_tokens"):
+                raise ValueError("max_completion_tokens" + str(e)[len("max_tokens"):]) from None
+            raise
 
 
 class TokenizeRequest(ChatTemplateFields):

@@ -57,7 +57,7 @@ class OpenAIServing:
             raise APIError.from_value_error(e) from None
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None,
-                     prompt_param: str) -> None:
+                     prompt_param: str, max_tokens_param: str = "max_tokens") -> None:
         """The prompt and everything it may generate must fit in max_model_len."""
         limit = self.max_model_len
         if max_tokens is None:  # generate until the context is full: needs room for one
@@ -68,10 +68,10 @@ class OpenAIServing:
             return
         if num_prompt_tokens + max_tokens > limit:
             raise APIError(
-                f"max_tokens: the prompt ({num_prompt_tokens} tokens) plus max_tokens "
-                f"({max_tokens}) is {num_prompt_tokens + max_tokens} tokens, more than "
-                f"max_model_len={limit}; shorten the prompt or lower max_tokens",
-                HTTPStatus.BAD_REQUEST, "max_tokens")
+                f"{max_tokens_param}: the prompt ({num_prompt_tokens} tokens) plus "
+                f"{max_tokens_param} ({max_tokens}) is {num_prompt_tokens + max_tokens} tokens, "
+                f"more than max_model_len={limit}; shorten the prompt or lower "
+                f"{max_tokens_param}", HTTPStatus.BAD_REQUEST, max_tokens_param)
 
     # ---- prompts ---------------------------------------------------------------------------
 

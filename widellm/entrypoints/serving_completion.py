@@ -25,12 +25,13 @@ from widellm.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+    async def create_completion(self, request: CompletionRequest,
+                                raw_request: Request) -> Response:
         model = self.model_name(request.model)
         self.check_engine()
         self.check_n(request.n)
         params = self.sampling_params(request)
-        prompts = [self.tokenize_prompt(p) for p in request.prompts()]
+        prompts = [self.tokenize_prompt(p, "prompt") for p in request.prompts()]
         for _, ids in prompts:
             self.check_length(len(ids), params.max_tokens, "prompt")
         run = _CompletionRun(self, request, params, model, prompts)
@@ -69,7 +70,9 @@ def completion_logprobs(
             logprob = entry.logprob
             ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= num_top),
                             key=lambda lp: lp.rank)
-            top = {lp.decoded_token or "": lp.logprob for lp in ranked}
+            top = {}
+            for lp in ranked:  # tokens that decode alike share a key: keep the likeliest
+                top.setdefault(lp.decoded_token or "", lp.logprob)
         result.tokens.append(token)
         result.token_logprobs.append(logprob)
         result.top_logprobs.append(top)
@@ -134,7 +137,7 @@ class _CompletionRun:
                 if want_logprobs:
                     ids = output.prompt_token_ids
                     logprobs = completion_logprobs(
-                        ids, (output.prompt_logprobs or [None] * len(ids))[:len(ids)],
+                        ids, output.prompt_logprobs or [None] * len(ids),
                         self.request.logprobs, state.text_offset, self._decode)
                     # Offsets follow the echoed text, not the concatenated token strings.
                     state.text_offset = len(prompt_text)

@@ -1,0 +1,129 @@
+"""Serving benchmark, side by side: start one engine's OpenAI-compatible server, load it with
+``widellm bench serve`` at each concurrency, stop it, then the next engine, all in one run.
+
+    .venv/bin/python -m widellm.model.export default /work/smollm2-hf
+    .venv/bin/python benchmarks/serve_compare.py --model /work/smollm2-hf \\
+        --vllm-python /work/vllm-venv/bin/python --concurrency 16 64 --out-dir bench-results
+
+Both servers get the same checkpoint folder, dtype, context length and KV budget; each engine
+runs with the whole machine to itself (the other is stopped before it starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+HEALTH_TIMEOUT_S = 600.0
+HEALTH_POLL_S = 1.0
+STOP_GRACE_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(HEALTH_POLL_S)
+    raise RuntimeError(f"{url} not healthy after {HEALTH_TIMEOUT_S:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def server_commands(args: argparse.Namespace, port: int) -> dict[str, tuple[list[str], dict]]:
+    common_env = dict(os.environ)
+    widellm = ([sys.executable, "-m", "widellm.entrypoints.cli", "serve", args.model,
+                "--port", str(port), "--dtype", args.dtype, "--max-model-len",
+                str(args.max_model_len), "--kv-cache-memory", f"{args.kv_cache_gib}GiB",
+                "--served-model-name", "bench"], common_env)
+    vllm_env = dict(common_env, VLLM_CPU_OMP_THREADS_BIND=args.vllm_threads_bind,
+                    VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
+    vllm = ([args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
+             "--port", str(port), "--dtype", args.dtype, "--max-model-len",
+             str(args.max_model_len), "--served-model-name", "bench"], vllm_env)
+    return {"widellm": widellm, "vllm": vllm}
+
+
+def run_engine(name: str, args: argparse.Namespace) -> dict:
+    port = free_port()
+    cmd, env = server_commands(args, port)[name]
+    log = open(os.path.join(args.out_dir, f"{name}-server.log"), "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    results = {"command": " ".join(cmd)}
+    try:
+        wait_healthy(url, proc)
+        for c in args.concurrency:
+            out = os.path.join(args.out_dir, f"{name}-c{c}.json")
+            bench = [sys.executable, "-m", "widellm.bench.serve", "--base-url", url,
+                     "--model", "bench", "--tokenizer", args.model, "--input-len",
+                     str(args.input_len), "--output-len", str(args.output_len),
+                     "--num-prompts", str(args.num_prompts), "--max-concurrency", str(c),
+                     "--output-json", out, "--disable-tqdm"]
+            subprocess.run(bench, check=True)
+            with open(out) as f:
+                results[f"c{c}"] = json.load(f)
+    finally:
+        stop(proc)
+        log.close()
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--engines", nargs="+", default=["widellm", "vllm"])
+    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    p.add_argument("--vllm-threads-bind", default="0-1")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=int, default=4)
+    p.add_argument("--out-dir", default="bench-results")
+    args = p.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    summary = {name: run_engine(name, args) for name in args.engines}
+    with open(os.path.join(args.out_dir, "serve_compare.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    keys = ("output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms",
+            "median_tpot_ms", "p99_itl_ms")
+    for c in args.concurrency:
+        print(f"concurrency {c}")
+        for name in args.engines:
+            r = summary[name][f"c{c}"]
+            print(f"  {name:8s} " + "  ".join(f"{k}={r.get(k, float('nan')):.2f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()

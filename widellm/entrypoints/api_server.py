@@ -1,0 +1,214 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one ``AsyncLLM`` (whose engine core
+runs in its own process), served by uvicorn.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize (behind --api-key when it is set), and GET /health, /version, /metrics (always
+open, for load balancers and scrapers). Every error is ``{"error": {...}}`` with a 4xx for bad
+input, so no request can take the server down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import sys
+from http import HTTPStatus
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+import widellm
+from widellm.engine.arg_utils import EngineArgs
+from widellm.engine.async_llm import AsyncLLM
+from widellm.engine.core_client import EngineDeadError
+from widellm.entrypoints.errors import APIError, param_of, to_api_error
+from widellm.entrypoints.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
+    TokenizeRequest, VersionResponse,
+)
+from widellm.entrypoints.serving_chat import OpenAIServingChat
+from widellm.entrypoints.serving_completion import OpenAIServingCompletion
+from widellm.entrypoints.serving_tokenization import OpenAIServingTokenization
+
+logger = logging.getLogger(__name__)
+
+# Seconds uvicorn waits for open requests (long streams) on shutdown before closing them.
+GRACEFUL_SHUTDOWN_S = 5.0
+STARTUP_POLL_S = 0.05
+# Validation errors listed in one message; a bad union field alone can raise a handful.
+MAX_VALIDATION_ERRORS = 3
+VALUE_ERROR_PREFIX = "Value error, "
+# pydantic's words for a body that is not a JSON object at all, in the client's terms.
+WHOLE_BODY_ERRORS = {
+    "missing": "the request body is missing; send a JSON object",
+    "model_attributes_type": "the request body must be a JSON object "
+                             "(with Content-Type: application/json)",
+}
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """pydantic's complaints about a request body as one 400."""
+    parts: list[str] = []
+    param = None
+    for err in exc.errors()[:MAX_VALIDATION_ERRORS]:
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", err.get("msg", ""))
+            return APIError(f"malformed JSON body: {detail}", HTTPStatus.BAD_REQUEST)
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        msg = str(err.get("msg", "")).removeprefix(VALUE_ERROR_PREFIX)
+        if not loc and err.get("type") in WHOLE_BODY_ERRORS:
+            msg = WHOLE_BODY_ERRORS[err["type"]]
+        param = param or (loc[0] if loc else param_of(msg))
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    return APIError("; ".join(parts) or "invalid request", HTTPStatus.BAD_REQUEST, param)
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        err = to_api_error(exc)
+        if err.status >= HTTPStatus.INTERNAL_SERVER_ERROR:
+            logger.error("request failed: %s", err.message)
+        return err.to_response()
+
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).to_response()
+
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(str(exc.detail), exc.status_code).to_response()
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(ValueError, on_api_error)
+    app.add_exception_handler(EngineDeadError, on_api_error)
+    app.add_exception_handler(Exception, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+
+
+def api_key_dependency(api_key: str):
+    """A route dependency accepting only ``Authorization: Bearer <api_key>``."""
+    expected = f"Bearer {api_key}".encode()
+
+    async def check_api_key(request: Request) -> None:
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, expected):  # constant time: no guessing by timing
+            raise APIError("invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           HTTPStatus.UNAUTHORIZED)
+
+    return check_api_key
+
+
+def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
+    """The app for ``engine``; ``args`` gives ``api_key`` and ``max_n``."""
+    served = [engine.model_config.served_name]
+    completion = OpenAIServingCompletion(engine, served, args.max_n)
+    chat = OpenAIServingChat(engine, served, args.max_n)
+    tokenization = OpenAIServingTokenization(engine, served, args.max_n)
+
+    app = FastAPI(title="widellm", version=widellm.__version__)
+    add_exception_handlers(app)
+    guarded = [Depends(api_key_dependency(args.api_key))] if args.api_key else []
+    api = APIRouter(dependencies=guarded)
+    public = APIRouter()
+
+    @public.get("/health")
+    async def health() -> Response:
+        if engine.errored:
+            reason = engine.dead_error or "engine core process is not running"
+            return APIError(f"the engine is dead: {reason}",
+                            HTTPStatus.SERVICE_UNAVAILABLE).to_response()
+        return Response(status_code=HTTPStatus.OK)
+
+    @public.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=widellm.__version__)
+
+    @public.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/v1/models")
+    async def models() -> ModelList:
+        config = engine.model_config
+        return ModelList(data=[ModelCard(id=name, root=config.model,
+                                         max_model_len=config.max_model_len) for name in served])
+
+    @api.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completion.create_completion(request, raw_request)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create_chat_completion(request, raw_request)
+
+    @api.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return JSONResponse(tokenization.tokenize(request).model_dump())
+
+    @api.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return JSONResponse(tokenization.detokenize(request).model_dump())
+
+    app.include_router(public)
+    app.include_router(api)
+    return app
+
+
+def log_usage(url: str, model: str, api_key: str | None) -> None:
+    """One line saying where the server is and a curl command that calls it."""
+    body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 16})
+    auth = " -H 'Authorization: Bearer $WIDELLM_API_KEY'" if api_key else ""
+    logger.info("widellm %s serving %s at %s (OpenAI API under /v1). Try:\n"
+                "  curl %s/v1/completions -H 'Content-Type: application/json'%s -d '%s'",
+                widellm.__version__, model, url, url, auth, body)
+
+
+async def serve_http(server: uvicorn.Server, model: str, api_key: str | None) -> None:
+    """Run uvicorn, logging the bound address (the real port, even for --port 0)."""
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(STARTUP_POLL_S)
+    if server.started and server.servers and server.servers[0].sockets:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        log_usage(f"http://{host}:{port}", model, api_key)
+    await task
+
+
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    # uvicorn handles SIGTERM itself while serving and re-raises it afterwards; exiting by an
+    # exception (not the default action) lets the engine core be shut down on the way out.
+    raise SystemExit(0)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """``widellm serve``: start the engine core, then serve HTTP until SIGINT/SIGTERM."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    app = build_app(engine, args)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        try:
+            await serve_http(server, engine.model_config.served_name, args.api_key)
+        finally:
+            engine.shutdown()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        sys.exit(1)  # uvicorn could not bind (it logged why)
