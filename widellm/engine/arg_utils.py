@@ -8,6 +8,8 @@ import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from widellm.config import (
     CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_dtype,
 )
@@ -46,8 +48,10 @@ class EngineArgs:
         "help": "fraction of available memory for the KV cache when --kv-cache-memory is unset"})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "exact KV block count"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
-    async_scheduling: bool = field(default=True, metadata={
-        "help": "schedule the next step while the current one runs"})
+    async_scheduling: bool | None = field(default=None, metadata={
+        "help": "schedule the next step while the current one runs (default: on with a GPU; "
+                "off on CPU, where the model runs on the same cores and it only adds GIL "
+                "contention)"})
     data_parallel_size: int = field(default=1, metadata={"help": "engine cores (DP ranks)"})
     enable_expert_parallel: bool = field(default=False, metadata={
         "help": "shard routed experts over the DP ranks"})
@@ -59,7 +63,7 @@ class EngineArgs:
             helptext = f.metadata.get("help", "")
             if f.name == "model" and positional_model:
                 parser.add_argument("model", nargs="?", default=None, help=helptext)
-            elif f.type in ("bool", bool):
+            elif f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction,
                                     default=f.default, help=helptext)
             else:
@@ -104,7 +108,8 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=(torch.cuda.is_available() if self.async_scheduling is None
+                                  else self.async_scheduling),
             ),
             parallel_config=ParallelConfig(
                 data_parallel_size=self.data_parallel_size,

@@ -13,6 +13,9 @@ import numpy as np
 import torch
 
 
+DECODE_LEN_BUCKET = 64
+
+
 @dataclass(slots=True)
 class PrefillSeq:
     """One prompt chunk: query tokens ``[token_start, token_end)`` of the batch, attending to
@@ -65,10 +68,14 @@ def build_attention_metadata(
     decode_slots = decode_mask = None
     if num_decodes:
         ctx = context_lens[:num_decodes]
-        max_len = int(ctx.max())
+        # Padded to a bucket so the batched matmuls see few distinct shapes (CPU GEMM
+        # libraries build a kernel per shape); masked positions cost little.
+        max_len = -(-int(ctx.max()) // DECODE_LEN_BUCKET) * DECODE_LEN_BUCKET
         pos = np.arange(max_len)
         valid = pos[None, :] < ctx[:, None]
-        blocks = block_table[:num_decodes, pos // block_size]
+        # Positions past a row's end read any valid block; the mask hides them.
+        block_idx = np.minimum(pos // block_size, block_table.shape[1] - 1)
+        blocks = block_table[:num_decodes, block_idx]
         slots = np.where(valid, blocks * block_size + pos % block_size, 0)
         decode_slots = torch.from_numpy(slots.astype(np.int64))
         decode_mask = torch.from_numpy(valid)[:, None, None, :]

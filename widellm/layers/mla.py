@@ -89,12 +89,17 @@ class MLAAttention(nn.Module):
         kv = self._kv_b_proj[0](ctx_c).view(L, self.num_heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, ctx_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        # Zero-pad v to the q/k head size: torch's fused CPU attention kernel needs equal head
+        # sizes, and without it SDPA falls back to its slow unfused path.
+        pad = k.shape[-1] - self.v_head_dim
+        if pad > 0:
+            v = F.pad(v, (0, pad))
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None,
             scale=self.scale,
         )
-        return o.squeeze(0).transpose(0, 1)
+        return o.squeeze(0).transpose(0, 1)[..., : self.v_head_dim]
 
     def _decode_absorbed(
         self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor
