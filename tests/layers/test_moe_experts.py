@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from widellm.layers.activation import SiluAndMul, silu_and_mul
-from widellm.layers.moe.experts import grouped_experts_forward, reference_experts_forward
+from widellm.layers.moe.experts import (
+    experts_forward, grouped_experts_forward, masked_experts_forward, reference_experts_forward,
+)
 
 NUM_EXPERTS = 6
 HIDDEN = 24
@@ -84,3 +86,24 @@ def test_grouped_rejects_out_of_range_expert():
     for bad in (NUM_EXPERTS, NUM_EXPERTS + 1, NUM_EXPERTS + 5):
         with pytest.raises(ValueError):
             grouped_experts_forward(torch.randn(2, HIDDEN), torch.tensor([0, bad]), w13, w2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [3, 48, 200])
+def test_masked_layout_matches_reference(dtype, num_rows):
+    g = torch.Generator().manual_seed(num_rows)
+    num_experts, hidden_size, inter = 8, 32, 16
+    w13 = (torch.randn(num_experts, 2 * inter, hidden_size, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(num_experts, hidden_size, inter, generator=g) * 0.1).to(dtype)
+    hidden = torch.randn(num_rows, hidden_size, generator=g).to(dtype)
+    expert_ids = torch.randint(0, num_experts, (num_rows,), generator=g)
+    expert_ids[::5] = -1  # padding rows
+    expert_ids[expert_ids == 3] = 4  # an empty expert
+    masked = masked_experts_forward(hidden, expert_ids, w13, w2)
+    reference = reference_experts_forward(hidden, expert_ids, w13, w2)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(masked, reference, atol=tol, rtol=tol)
+    assert torch.equal(masked[::5], torch.zeros_like(masked[::5]))
+    assert torch.equal(experts_forward(hidden, expert_ids, w13, w2),
+                       masked if 2 <= num_rows / num_experts <= 16 else
+                       grouped_experts_forward(hidden, expert_ids, w13, w2))

@@ -94,6 +94,57 @@ def grouped_experts_forward(
     return out
 
 
+def masked_experts_forward(
+    hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Grouped GEMM in the masked layout: rows are scattered into ``[E, P, H]`` (``P`` = the
+    busiest expert's row count, bucketed) and each projection is one batched matmul over all
+    experts; padding rows are zero and their results dropped.
+
+    Meant for decode, where every expert gets a handful of rows: one ``bmm`` replaces a Python
+    loop of E small matmuls (and it is the layout fixed-shape GPU graphs need). Same arguments
+    and result as :func:`grouped_experts_forward`.
+    """
+    _check_shapes(hidden, expert_ids, w13, w2)
+    num_rows, hidden_size = hidden.shape
+    num_experts = w13.shape[0]
+    valid = expert_ids >= 0
+    if bool((expert_ids >= num_experts).any()):
+        raise ValueError(f"expert id out of range for {num_experts} local experts")
+    rows = valid.nonzero().squeeze(1)
+    experts = expert_ids[rows]
+    order = torch.argsort(experts, stable=True)
+    rows, experts = rows[order], experts[order]
+    counts = torch.bincount(experts, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    pad_rows = bucket_rows(max(int(counts.max()), 1)) if rows.numel() else 1
+    # Slot of each row in the [E, P] grid: its expert's block, then its rank inside it.
+    slots = experts * pad_rows + torch.arange(rows.numel()) - starts[experts]
+    grid = hidden.new_zeros(num_experts * pad_rows, hidden_size)
+    grid.index_copy_(0, slots, hidden.index_select(0, rows))
+    gate_up = torch.bmm(grid.view(num_experts, pad_rows, hidden_size), w13.transpose(1, 2))
+    down = torch.bmm(silu_and_mul(gate_up), w2.transpose(1, 2))
+    out = hidden.new_zeros(num_rows, hidden_size)
+    out.index_copy_(0, rows, down.view(-1, hidden_size).index_select(0, slots))
+    return out
+
+
+# Masked layout pays for every expert; it wins when most experts get a few rows each (decode
+# batches), the contiguous layout when rows are many (prefill) or few experts are hit.
+MASKED_MIN_ROWS_PER_EXPERT = 2
+MASKED_MAX_ROWS_PER_EXPERT = 16
+
+
+def experts_forward(
+    hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Pick the layout by rows per expert; both give the reference result."""
+    per_expert = hidden.shape[0] / w13.shape[0]
+    if MASKED_MIN_ROWS_PER_EXPERT <= per_expert <= MASKED_MAX_ROWS_PER_EXPERT:
+        return masked_experts_forward(hidden, expert_ids, w13, w2)
+    return grouped_experts_forward(hidden, expert_ids, w13, w2)
+
+
 def reference_experts_forward(
     hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from widellm.layers.moe.dispatch import SKIP_EXPERT_ID, MoEDispatcher, make_dispatcher
-from widellm.layers.moe.experts import grouped_experts_forward
+from widellm.layers.moe.experts import experts_forward
 from widellm.layers.moe.router import GroupScore, ScoringFunc, select_experts
 
 ParamName = Literal["w13_weight", "w2_weight"]
@@ -257,7 +257,7 @@ class FusedMoE(nn.Module):
 
         dispatch_handle = self.dispatcher.dispatch_launch(hidden_states, topk_ids, topk_weights)
         tokens = self.dispatcher.dispatch_wait(dispatch_handle)
-        expert_output = grouped_experts_forward(
+        expert_output = experts_forward(
             tokens.hidden_states, tokens.expert_ids, self.w13_weight, self.w2_weight
         )
         combine_handle = self.dispatcher.combine_launch(expert_output, dispatch_handle)
