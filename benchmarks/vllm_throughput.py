@@ -25,26 +25,10 @@ import sys
 import threading
 import time
 
-# Token ids this close to either end of the vocabulary are skipped: special tokens and byte
-# tokens cluster there in real tokenizers.
-TOKEN_ID_MARGIN = 100
-GIB = 1 << 30
-KIB = 1024
+from bench_common import GIB, KIB, random_prompt_token_ids
+
 # How often the process-tree memory sampler looks; fine enough for a run of many seconds.
 RSS_SAMPLE_INTERVAL_S = 0.2
-
-
-def random_prompt_token_ids(
-    vocab_size: int, num_prompts: int, input_len: int, seed: int
-) -> list[list[int]]:
-    """The shared benchmark prompts: uniform token ids in [100, vocab_size - 100)."""
-    import numpy as np
-
-    rng = np.random.RandomState(seed)
-    ids = rng.randint(
-        TOKEN_ID_MARGIN, vocab_size - TOKEN_ID_MARGIN, size=(num_prompts, input_len)
-    )
-    return ids.tolist()
 
 
 def read_vocab_size(model: str) -> int:

@@ -1,0 +1,23 @@
+"""Helpers shared by the side-by-side benchmark scripts here. Plain Python + numpy: the
+scripts run in other engines' virtualenvs, where widellm is not installed."""
+
+from __future__ import annotations
+
+# Token ids this close to either end of the vocabulary are skipped: special tokens and byte
+# tokens cluster there in real tokenizers. widellm.bench.datasets uses the same rule.
+TOKEN_ID_MARGIN = 100
+GIB = 1 << 30
+KIB = 1024
+
+
+def random_prompt_token_ids(
+    vocab_size: int, num_prompts: int, input_len: int, seed: int
+) -> list[list[int]]:
+    """The shared benchmark prompts: uniform token ids in [100, vocab_size - 100)."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(
+        TOKEN_ID_MARGIN, vocab_size - TOKEN_ID_MARGIN, size=(num_prompts, input_len)
+    )
+    return ids.tolist()
