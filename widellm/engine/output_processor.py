@@ -41,6 +41,7 @@ class _Sample:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0
+    finish_sent: bool = False  # DELTA mode: the finishing update went out already
 
 
 @dataclass
@@ -207,7 +208,8 @@ class OutputProcessor:
         delta = parent.kind == RequestOutputKind.DELTA
         completions = []
         for s in parent.samples:
-            if delta and s.num_sent_tokens == len(s.token_ids) and s.finish_reason is None:
+            nothing_new = s.num_sent_tokens == len(s.token_ids)
+            if delta and nothing_new and (s.finish_reason is None or s.finish_sent):
                 continue
             text = ""
             if s.detokenizer is not None:
@@ -224,6 +226,7 @@ class OutputProcessor:
                 stop_reason=s.stop_reason,
             ))
             s.num_sent_tokens = len(s.token_ids)
+            s.finish_sent = s.finish_reason is not None
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
