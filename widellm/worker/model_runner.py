@@ -17,6 +17,7 @@ from widellm.core.scheduler_output import SchedulerOutput
 from widellm.forward_context import set_forward_context
 from widellm.layers.attention_metadata import build_attention_metadata
 from widellm.model.loader import build_model
+from widellm.worker.cpu_allocator import keep_freed_memory
 from widellm.worker.input_batch import BatchInputs, CachedRequestState, build_batch_inputs
 from widellm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from widellm.worker.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
@@ -29,6 +30,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model_config
+        if not torch.cuda.is_available():
+            keep_freed_memory()
         self.block_size = config.cache_config.block_size
         self.vocab_size = mc.hf_config.vocab_size
         self.model = build_model(mc.hf_config, mc.model, mc.dtype)

@@ -1,0 +1,44 @@
+"""Keep freed memory in the process on CPU.
+
+Each step allocates tens of MB of activations (MoE dispatch buffers, norms in fp32). glibc
+serves blocks that large with fresh mmap()s and returns them on free, so every step pays page
+faults and kernel zeroing on all of it again; measured here, that was ~30% of a 4,096-token
+prefill step. Turning off mmap for allocations and never trimming the heap lets freed blocks
+be reused (vLLM's CPU backend gets the same effect by preloading tcmalloc). The cost is that
+the resident size stays at its peak, which is the number benchmarks report anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+# mallopt parameter numbers from glibc's <malloc.h>.
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+# Trim only above this much free heap (the largest value mallopt's int takes): never, in
+# practice.
+NEVER_TRIM_BYTES = 2**31 - 1
+
+
+def keep_freed_memory() -> bool:
+    """Apply the settings above; False (and no change) where glibc is not the allocator."""
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name)
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = mallopt(M_MMAP_MAX, 0) == 1
+    ok = mallopt(M_TRIM_THRESHOLD, NEVER_TRIM_BYTES) == 1 and ok
+    if ok:
+        logger.info("CPU allocator: freed memory is kept for reuse (no mmap, no trim)")
+    return ok
