@@ -30,8 +30,6 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model_config
-        if not torch.cuda.is_available():
-            keep_freed_memory()
         self.block_size = config.cache_config.block_size
         self.vocab_size = mc.hf_config.vocab_size
         self.model = build_model(mc.hf_config, mc.model, mc.dtype)
@@ -44,6 +42,10 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks)
+        if not torch.cuda.is_available():
+            # Only now: weights and KV cache keep their own (huge-page friendly) mappings;
+            # what follows is per-step activations, which should recycle heap memory.
+            keep_freed_memory()
 
     # ---- one step --------------------------------------------------------------------------
 
