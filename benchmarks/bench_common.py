@@ -3,6 +3,8 @@ scripts run in other engines' virtualenvs, where widellm is not installed."""
 
 from __future__ import annotations
 
+import json
+
 # Token ids this close to either end of the vocabulary are skipped: special tokens and byte
 # tokens cluster there in real tokenizers. widellm.bench.datasets uses the same rule.
 TOKEN_ID_MARGIN = 100
@@ -21,3 +23,11 @@ def random_prompt_token_ids(
         TOKEN_ID_MARGIN, vocab_size - TOKEN_ID_MARGIN, size=(num_prompts, input_len)
     )
     return ids.tolist()
+
+
+def write_result_json(path: str | None, result: dict) -> None:
+    """Write one run's result where ``--output-json`` points (nothing when unset)."""
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")

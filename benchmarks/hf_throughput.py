@@ -16,12 +16,11 @@ stay the plain argmax, as with vLLM's ``ignore_eos``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import time
 
-from bench_common import GIB, KIB, random_prompt_token_ids
+from bench_common import GIB, KIB, random_prompt_token_ids, write_result_json
 
 
 
@@ -126,10 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         f"  peak RSS GiB {peak_rss:.2f}\n"
         f"  first output ids: {first_ids}"
     )
-    if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_result_json(args.output_json, result)
     return 0
 
 

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from bench_common import GIB, KIB, random_prompt_token_ids
+from bench_common import GIB, KIB, random_prompt_token_ids, write_result_json
 
 # How often the process-tree memory sampler looks; fine enough for a run of many seconds.
 RSS_SAMPLE_INTERVAL_S = 0.2
@@ -192,10 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{rss['self']:.2f} + reaped children {rss['children']:.2f} = {rss['total']:.2f}\n"
         f"  first output ids: {first_ids}"
     )
-    if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    write_result_json(args.output_json, result)
     return 0
 
 
