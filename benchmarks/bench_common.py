@@ -31,3 +31,14 @@ def write_result_json(path: str | None, result: dict) -> None:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
+
+
+def throughput_fields(num_prompts: int, input_tokens: int, output_tokens: int,
+                      elapsed_s: float) -> dict:
+    """The rates every throughput script reports, computed one way."""
+    return {
+        "elapsed_s": round(elapsed_s, 3),
+        "requests_per_s": num_prompts / elapsed_s,
+        "output_tokens_per_s": output_tokens / elapsed_s,
+        "total_tokens_per_s": (input_tokens + output_tokens) / elapsed_s,
+    }

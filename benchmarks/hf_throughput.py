@@ -20,7 +20,7 @@ import os
 import resource
 import time
 
-from bench_common import GIB, KIB, random_prompt_token_ids, write_result_json
+from bench_common import GIB, KIB, random_prompt_token_ids, throughput_fields, write_result_json
 
 
 
@@ -108,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "load_s": round(load_s, 2),
-        "elapsed_s": round(elapsed, 3),
-        "requests_per_s": args.num_prompts / elapsed,
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
+        **throughput_fields(args.num_prompts, input_tokens, output_tokens, elapsed),
         "peak_rss_gib": peak_rss,
         "first_output_ids": first_ids,
         "env": {k: v for k, v in os.environ.items() if k.startswith("OMP_")},

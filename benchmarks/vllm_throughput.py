@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from bench_common import GIB, KIB, random_prompt_token_ids, write_result_json
+from bench_common import GIB, KIB, random_prompt_token_ids, throughput_fields, write_result_json
 
 # How often the process-tree memory sampler looks; fine enough for a run of many seconds.
 RSS_SAMPLE_INTERVAL_S = 0.2
@@ -172,10 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "load_s": round(load_s, 2),
-        "elapsed_s": round(elapsed, 3),
-        "requests_per_s": args.num_prompts / elapsed,
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
+        **throughput_fields(args.num_prompts, input_tokens, output_tokens, elapsed),
         "peak_rss_gib": rss,
         "peak_tree_rss_gib": sampler.peak_bytes / GIB,
         "first_output_ids": first_ids,

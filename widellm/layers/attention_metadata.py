@@ -44,10 +44,12 @@ class AttentionMetadata:
 def build_attention_metadata(
     query_lens: np.ndarray,
     context_lens: np.ndarray,
+    positions: np.ndarray,
     block_table: np.ndarray,
     block_size: int,
 ) -> AttentionMetadata:
     """query_lens/context_lens [B] (context = cached + new tokens after this step),
+    positions [T] of the batch's tokens,
     block_table [B, max_blocks] physical block ids. Rows with query_len 1 come first; the
     rows after the first longer query are all treated as prefill chunks."""
     num_reqs = len(query_lens)
@@ -59,9 +61,6 @@ def build_attention_metadata(
     num_tokens = int(query_start[-1])
 
     # Slot of every (request, position) for the tokens computed this step.
-    positions = np.concatenate([
-        np.arange(c - q, c) for q, c in zip(query_lens, context_lens)
-    ]) if num_reqs else np.zeros(0, dtype=np.int64)
     req_index = np.repeat(np.arange(num_reqs), query_lens)
     slot_mapping = block_table[req_index, positions // block_size] * block_size + positions % block_size
 

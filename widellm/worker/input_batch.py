@@ -35,7 +35,7 @@ class BatchInputs:
 
     req_ids: list[str]
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    positions: np.ndarray  # [T] int64
     query_lens: np.ndarray  # [B]
     context_lens: np.ndarray  # [B] computed tokens after this step
     block_table: np.ndarray  # [B, max_blocks]
@@ -65,7 +65,7 @@ def build_batch_inputs(
     return BatchInputs(
         req_ids=order,
         input_ids=torch.tensor(ids, dtype=torch.int64),
-        positions=torch.from_numpy(positions.astype(np.int64)),
+        positions=positions.astype(np.int64),
         query_lens=query_lens,
         context_lens=context_lens,
         block_table=block_table,

@@ -56,10 +56,11 @@ class ModelRunner:
             return ModelRunnerOutput([], {}, [])
         batch = build_batch_inputs(self.states, so.num_scheduled_tokens)
         md = build_attention_metadata(
-            batch.query_lens, batch.context_lens, batch.block_table, self.block_size
+            batch.query_lens, batch.context_lens, batch.positions, batch.block_table,
+            self.block_size,
         )
         with set_forward_context(md):
-            hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self.model(batch.input_ids, torch.from_numpy(batch.positions))
 
         query_end = np.cumsum(batch.query_lens)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
