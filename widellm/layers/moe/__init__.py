@@ -1,7 +1,6 @@
 """Mixture-of-Experts layer: router -> dispatch -> experts -> combine."""
 
 from widellm.layers.moe.dispatch import (
-    DISPATCHER_REGISTRY,
     SKIP_EXPERT_ID,
     CombineHandle,
     DispatchedTokens,
@@ -9,10 +8,10 @@ from widellm.layers.moe.dispatch import (
     LocalDispatcher,
     MoEDispatcher,
     local_expert_ids,
-    make_dispatcher,
 )
 from widellm.layers.moe.experts import grouped_experts_forward, reference_experts_forward
 from widellm.layers.moe.layer import ExpertParamMapping, FusedMoE, RoutingConfig
+from widellm.layers.moe.registry import DISPATCHER_REGISTRY, make_dispatcher
 from widellm.layers.moe.router import select_experts
 
 __all__ = [

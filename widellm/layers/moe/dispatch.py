@@ -19,10 +19,7 @@ contribute zero.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any
 
 import torch
 
@@ -183,18 +180,3 @@ class LocalDispatcher(MoEDispatcher):
     def combine_wait(self, handle: CombineHandle) -> torch.Tensor:
         assert isinstance(handle, _LocalCombineHandle)
         return handle.output
-
-
-DISPATCHER_REGISTRY: Mapping[str, type[MoEDispatcher]] = MappingProxyType({"local": LocalDispatcher})
-
-
-def make_dispatcher(name: str, expert_map: torch.Tensor, **backend_kwargs: Any) -> MoEDispatcher:
-    """Build the dispatcher backend registered as ``name``.
-
-    ``backend_kwargs`` carry what a backend needs beyond the expert map (e.g. a process group).
-    """
-    try:
-        cls = DISPATCHER_REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown MoE dispatcher {name!r}; known: {sorted(DISPATCHER_REGISTRY)}") from None
-    return cls(expert_map, **backend_kwargs)

@@ -15,8 +15,9 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
-from widellm.layers.moe.dispatch import SKIP_EXPERT_ID, MoEDispatcher, make_dispatcher
+from widellm.layers.moe.dispatch import SKIP_EXPERT_ID, MoEDispatcher
 from widellm.layers.moe.experts import experts_forward
+from widellm.layers.moe.registry import make_dispatcher
 from widellm.layers.moe.router import GroupScore, ScoringFunc, select_experts
 
 ParamName = Literal["w13_weight", "w2_weight"]

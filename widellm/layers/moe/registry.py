@@ -1,0 +1,27 @@
+"""The registry of dispatch/combine backends, by the names ``--all2all-backend`` takes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from widellm.layers.moe.dispatch import LocalDispatcher, MoEDispatcher
+
+DISPATCHER_REGISTRY: Mapping[str, type[MoEDispatcher]] = MappingProxyType({
+    "local": LocalDispatcher,
+})
+
+
+def make_dispatcher(name: str, expert_map: torch.Tensor, **backend_kwargs: Any) -> MoEDispatcher:
+    """Build the dispatcher backend registered as ``name``.
+
+    ``backend_kwargs`` carry what a backend needs beyond the expert map (e.g. a process group).
+    """
+    try:
+        cls = DISPATCHER_REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown MoE dispatcher {name!r}; known: {sorted(DISPATCHER_REGISTRY)}") from None
+    return cls(expert_map, **backend_kwargs)
