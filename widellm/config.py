@@ -108,19 +108,117 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+# Dispatch/combine backends of expert-parallel MoE layers (see layers/moe/registry.py).
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "all2all", "all2all_fixed")
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """Parallel layout. Only a single rank exists for now; the fields are where data and
-    expert parallelism attach."""
+    """Data-parallel ranks (one engine core each) and expert parallelism over all of them.
+
+    A deployment of ``data_parallel_size`` ranks may span machines: each machine runs
+    ``data_parallel_size_local`` ranks starting at ``data_parallel_start_rank``; the ranks and
+    the frontend meet at ``data_parallel_address:data_parallel_rpc_port`` (the frontend's
+    machine). ``data_parallel_rpc_port`` None means every rank is local and talks over IPC.
+    ``data_parallel_rank`` is set per engine-core process (None in the frontend).
+    """
 
     data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int | None = None
+    data_parallel_rank: int | None = None
     enable_expert_parallel: bool = False
+    all2all_backend: str = "all2all"
+    # Rows per (source, destination) rank pair of the all2all_fixed buffers; None sizes them
+    # for any decode step (max_num_seqs x min(top_k, experts per rank)); larger batches spill.
+    all2all_fixed_capacity: int | None = None
+    # Seconds a collective may block before the rank gives up (a peer died or hung).
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if self.data_parallel_size != 1:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        local = self.local_size
+        if local < 1 or self.data_parallel_start_rank < 0 or (
+            self.data_parallel_start_rank + local > self.data_parallel_size
+        ):
             raise ValueError(
-                f"data_parallel_size must be 1 in this build, got {self.data_parallel_size}"
+                f"data_parallel_size_local={local} from data_parallel_start_rank="
+                f"{self.data_parallel_start_rank} does not fit data_parallel_size="
+                f"{self.data_parallel_size}"
             )
+        if local < self.data_parallel_size and self.data_parallel_rpc_port is None:
+            raise ValueError(
+                "data_parallel_rpc_port is required when ranks run on more than one machine "
+                "(data_parallel_size_local < data_parallel_size)"
+            )
+        if self.data_parallel_rank is not None and not (
+            0 <= self.data_parallel_rank < self.data_parallel_size
+        ):
+            raise ValueError(f"data_parallel_rank {self.data_parallel_rank} out of range")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ValueError(
+                f"all2all_backend must be one of {ALL2ALL_BACKENDS}, got {self.all2all_backend!r}"
+            )
+        if self.all2all_fixed_capacity is not None and self.all2all_fixed_capacity < 1:
+            raise ValueError(
+                f"all2all_fixed_capacity must be >= 1, got {self.all2all_fixed_capacity}"
+            )
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+
+    @property
+    def local_size(self) -> int:
+        """Ranks run on this machine."""
+        return self.data_parallel_size_local or (
+            self.data_parallel_size - self.data_parallel_start_rank
+        )
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the routed experts are split over (1 without --enable-expert-parallel)."""
+        return self.data_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def needs_lockstep(self) -> bool:
+        """Every MoE forward is a collective across the EP group, so all ranks must step."""
+        return self.expert_parallel_size > 1
+
+
+@dataclass(frozen=True, slots=True)
+class EPLBConfig:
+    """Expert-parallel load balancing: measure expert load over a window of steps, re-plan
+    replicas and placement every ``step_interval`` steps, move weights while serving."""
+
+    enable_eplb: bool = False
+    # Physical expert slots beyond the logical experts, for replicas of hot experts.
+    num_redundant_experts: int = 0
+    window_size: int = 1000  # steps of load kept
+    step_interval: int = 3000  # steps between rebalances
+    log_balancedness: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_redundant_experts < 0:
+            raise ValueError(
+                f"eplb_num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.window_size < 1:
+            raise ValueError(f"eplb_window_size must be >= 1, got {self.window_size}")
+        if self.step_interval < 1:
+            raise ValueError(f"eplb_step_interval must be >= 1, got {self.step_interval}")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("eplb_num_redundant_experts needs --enable-eplb")
+
+
+@dataclass(frozen=True, slots=True)
+class ObservabilityConfig:
+    """What the engine measures about itself beyond the always-on metrics."""
+
+    # Time every step's phases (scheduling, attention/dense, experts, MoE communication,
+    # dummy batches, lockstep waits); see step_timer.py. Off by default: it adds a clock
+    # read per phase per layer.
+    collect_step_breakdown: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +227,16 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
+    observability_config: ObservabilityConfig = ObservabilityConfig()
+    eplb_config: EPLBConfig = EPLBConfig()
+
+    def __post_init__(self) -> None:
+        if self.eplb_config.enable_eplb and not self.parallel_config.enable_expert_parallel:
+            raise ValueError("enable_eplb needs --enable-expert-parallel")
+        if self.parallel_config.needs_lockstep and self.scheduler_config.async_scheduling:
+            # The runner thread's MoE collectives and the main thread's lockstep all-reduce
+            # would have to be ordered across ranks; not supported yet.
+            raise ValueError("async_scheduling is not supported with expert parallelism yet")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -173,7 +173,9 @@ def _metrics(server) -> dict[tuple[str, frozenset], float]:
 
 
 def _metric(values, name: str, **labels) -> float:
-    return values.get((name, frozenset(labels.items())), 0.0)
+    """Sum over the samples of ``name`` carrying ``labels`` (and any others, e.g. rank)."""
+    want = frozenset(labels.items())
+    return sum(v for (n, have), v in values.items() if n == name and want <= have)
 
 
 def _total_successes(values) -> float:

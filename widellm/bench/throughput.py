@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 
 from widellm.bench.datasets import random_token_prompts
 from widellm.engine.arg_utils import EngineArgs
+from widellm.step_timer import summarize
+from widellm.worker.memory import peak_rss_bytes
 
-KIB = 1024
 GIB = 1 << 30
 
 
@@ -24,9 +24,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set of this process (the engine runs in it offline), in bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB
+def _rank_breakdowns(llm) -> tuple[dict[int, dict[str, float]], int]:
+    """Step-time breakdown per rank (when collected) and the ranks' summed peak RSS."""
+    engine = llm.llm_engine
+    if engine.client is None:
+        timer = engine.engine_core.step_timer
+        return ({0: summarize(timer.totals)} if timer is not None else {}), 0
+    raw = engine.client.last_breakdown
+    rss = sum(engine.client.peak_rss_bytes.values())
+    return {rank: summarize(b) for rank, b in sorted(raw.items())}, rss
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -39,6 +45,8 @@ def run(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    per_rank, ranks_rss = _rank_breakdowns(llm)
+    llm.shutdown()
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
     result = {
@@ -50,8 +58,15 @@ def run(args: argparse.Namespace) -> dict:
         "requests_per_s": len(prompts) / elapsed,
         "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed,
-        "peak_rss_gib": peak_rss_bytes() / GIB,
+        # The frontend plus every rank's process (ranks run as processes when DP > 1).
+        "peak_rss_gib": (peak_rss_bytes() + ranks_rss) / GIB,
+        "data_parallel_size": llm.llm_engine.config.parallel_config.data_parallel_size,
     }
+    if per_rank:
+        result["step_breakdown"] = per_rank
+        for rank, b in per_rank.items():
+            print(f"rank {rank} step time: " + ", ".join(
+                f"{k.removesuffix('_s')} {v:.2f} s" for k, v in b.items()))
     print(
         f"Throughput: {result['requests_per_s']:.2f} requests/s, "
         f"{result['output_tokens_per_s']:.1f} output tok/s, "

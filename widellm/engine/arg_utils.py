@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from widellm.config import (
-    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_dtype,
+    ALL2ALL_BACKENDS, CacheConfig, EngineConfig, EPLBConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig, resolve_dtype,
 )
 from widellm.model.loader import load_hf_config, resolve_model_path
 
@@ -52,9 +52,37 @@ class EngineArgs:
         "help": "schedule the next step while the current one runs (default: on with a GPU; "
                 "off on CPU, where the model runs on the same cores and it only adds GIL "
                 "contention)"})
-    data_parallel_size: int = field(default=1, metadata={"help": "engine cores (DP ranks)"})
+    data_parallel_size: int = field(default=1, metadata={
+        "help": "engine cores (DP ranks), each with its own scheduler, KV cache and requests"})
+    data_parallel_size_local: int | None = field(default=None, metadata={
+        "help": "DP ranks run on this machine (default: all from --data-parallel-start-rank)"})
+    data_parallel_start_rank: int = field(default=0, metadata={
+        "help": "first DP rank run on this machine (secondary nodes, with --headless)"})
+    data_parallel_address: str = field(default="127.0.0.1", metadata={
+        "help": "address of the head node, where the frontend listens for the ranks"})
+    data_parallel_rpc_port: int | None = field(default=None, metadata={
+        "help": "port of the head node for the ranks' handshake and requests (needed when "
+                "ranks span machines; all-local ranks use IPC)"})
     enable_expert_parallel: bool = field(default=False, metadata={
-        "help": "shard routed experts over the DP ranks"})
+        "help": "shard routed experts over all DP ranks (tokens move by all-to-all)"})
+    all2all_backend: str = field(default="all2all", metadata={
+        "help": "expert-parallel dispatch/combine", "choices": ALL2ALL_BACKENDS})
+    all2all_fixed_capacity: int | None = field(default=None, metadata={
+        "help": "rows per rank pair of the all2all_fixed buffers (default: enough for any "
+                "decode step; larger batches spill through a checked second round)"})
+    distributed_timeout_s: float = field(default=120.0, metadata={
+        "help": "seconds a collective may wait for a peer before the rank fails"})
+    enable_eplb: bool = field(default=False, metadata={
+        "help": "expert-parallel load balancing: replicate and re-place hot experts"})
+    eplb_num_redundant_experts: int = field(default=0, metadata={
+        "help": "extra physical expert slots for replicas (spread evenly over EP ranks)"})
+    eplb_window_size: int = field(default=1000, metadata={"help": "steps of expert load kept"})
+    eplb_step_interval: int = field(default=3000, metadata={
+        "help": "steps between rebalances"})
+    eplb_log_balancedness: bool = field(default=False, metadata={
+        "help": "log the expert load balancedness every rebalance window"})
+    collect_step_breakdown: bool = field(default=False, metadata={
+        "help": "time each step's phases (attention, experts, MoE communication, idle)"})
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -68,7 +96,8 @@ class EngineArgs:
                                     default=f.default, help=helptext)
             else:
                 kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
-                parser.add_argument(flag, type=kind, default=f.default, help=helptext)
+                parser.add_argument(flag, type=kind, default=f.default, help=helptext,
+                                    choices=f.metadata.get("choices"))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -95,6 +124,7 @@ class EngineArgs:
             tokenizer=self.tokenizer or path,
             seed=self.seed,
         )
+        lockstep = self.enable_expert_parallel and self.data_parallel_size > 1
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -108,13 +138,30 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len,
-                async_scheduling=(torch.cuda.is_available() if self.async_scheduling is None
-                                  else self.async_scheduling),
+                async_scheduling=(
+                    torch.cuda.is_available() and not lockstep if self.async_scheduling is None
+                    else self.async_scheduling),
             ),
             parallel_config=ParallelConfig(
                 data_parallel_size=self.data_parallel_size,
+                data_parallel_size_local=self.data_parallel_size_local,
+                data_parallel_start_rank=self.data_parallel_start_rank,
+                data_parallel_address=self.data_parallel_address,
+                data_parallel_rpc_port=self.data_parallel_rpc_port,
                 enable_expert_parallel=self.enable_expert_parallel,
+                all2all_backend=self.all2all_backend,
+                all2all_fixed_capacity=self.all2all_fixed_capacity,
+                distributed_timeout_s=self.distributed_timeout_s,
             ),
+            eplb_config=EPLBConfig(
+                enable_eplb=self.enable_eplb,
+                num_redundant_experts=self.eplb_num_redundant_experts,
+                window_size=self.eplb_window_size,
+                step_interval=self.eplb_step_interval,
+                log_balancedness=self.eplb_log_balancedness,
+            ),
+            observability_config=ObservabilityConfig(
+                collect_step_breakdown=self.collect_step_breakdown),
         )
 
     def replace(self, **changes) -> "EngineArgs":

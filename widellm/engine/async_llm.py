@@ -50,17 +50,20 @@ class AsyncLLM:
 
     async def check_health(self) -> None:
         if self.errored:
-            raise EngineDeadError(self.dead_error or "engine core process is not running")
+            raise EngineDeadError(self.dead_error or self.client.dead_reason())
 
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+        data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield DELTA outputs until the request finishes. Raises ValueError for bad input
-        (before anything is queued) and EngineDeadError if the core dies meanwhile."""
+        (before anything is queued) and EngineDeadError if a core dies meanwhile. The request
+        goes to ``data_parallel_rank`` if given, else to the rank the balancer picks."""
         await self.check_health()
         self._ensure_output_task()
         text, token_ids = self.processor.tokenize(prompt)
         self.processor.validate_prompt(token_ids)
+        self.client.check_rank(data_parallel_rank)
         queue: asyncio.Queue = asyncio.Queue()
         core_ids = self.output_processor.add_request(
             request_id, text, token_ids, sampling_params, RequestOutputKind.DELTA
@@ -68,9 +71,11 @@ class AsyncLLM:
         self._queues[request_id] = queue
         finished = False
         try:
-            for req in self.processor.make_core_requests(request_id, token_ids, sampling_params,
-                                                         core_ids):
-                await self.client.add_request(req)
+            await self.client.add_requests_async(
+                self.processor.make_core_requests(request_id, token_ids, sampling_params,
+                                                  core_ids),
+                data_parallel_rank,
+            )
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -88,7 +93,7 @@ class AsyncLLM:
         core_ids = self.output_processor.abort_requests([request_id])
         self._queues.pop(request_id, None)
         if core_ids and not self.errored:
-            await self.client.abort_requests(core_ids)
+            await self.client.abort_requests_async(core_ids)
 
     def _ensure_output_task(self) -> None:
         if self._output_task is None or self._output_task.done():
@@ -97,17 +102,16 @@ class AsyncLLM:
     async def _output_loop(self) -> None:
         try:
             while True:
-                batch = await self.client.get_output(HEALTH_POLL_S)
+                batch = await self.client.get_output_async(HEALTH_POLL_S)
                 if batch is None:
                     if not self.client.is_alive():
-                        raise EngineDeadError(
-                            f"engine core process exited (exit code {self.client.proc.exitcode})"
-                        )
+                        raise EngineDeadError(self.client.dead_reason())
                     continue
                 if batch.engine_error is not None:
-                    raise EngineDeadError(f"engine core failed: {batch.engine_error}")
+                    raise EngineDeadError(
+                        f"engine core {batch.dp_rank} failed: {batch.engine_error}")
                 if batch.scheduler_stats is not None:
-                    self.metrics.record_scheduler_stats(batch.scheduler_stats)
+                    self.metrics.record_scheduler_stats(batch.scheduler_stats, batch.dp_rank)
                 outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
                 self._record(outputs)
                 for out in outputs:
@@ -115,7 +119,7 @@ class AsyncLLM:
                     if q is not None:
                         q.put_nowait(out)
                 if to_abort:
-                    await self.client.abort_requests(to_abort)
+                    await self.client.abort_requests_async(to_abort)
                 self.metrics.maybe_log()
         except EngineDeadError as e:
             self.dead_error = str(e)

@@ -1,26 +1,39 @@
-"""Frontend side of the engine-core process: start it, send requests and aborts, receive
-output batches, notice when it dies.
+"""Frontend side of the engine-core processes: start the local ranks, meet every rank (local
+or on another machine) at one ROUTER socket, route each request to a rank, receive output
+batches, notice when a rank dies.
 
-Sockets are IPC files in a fresh temporary folder, so two servers on one host never collide
-and no port is needed.
+All-local ranks use IPC files in a fresh temporary folder, so two servers on one host never
+collide and no port is needed; a deployment that spans machines binds the ROUTER at
+``--data-parallel-address:--data-parallel-rpc-port`` and the output socket at a free port of
+the same address. The torch.distributed rendezvous store lives here too (a free port), so
+ranks need to be told nothing but the handshake address.
+
+Requests go to the rank the prefix-aware load balancer picks (or a pinned
+``data_parallel_rank``); every sample of an ``n > 1`` request goes to the same rank, since
+they share the prompt's KV blocks. Sync methods serve the offline engine, ``*_async`` ones the
+server; both use the same sockets from one thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 
 import msgspec
+import torch.distributed as dist
 import zmq
 import zmq.asyncio
 
 from widellm.config import EngineConfig
+from widellm.core.scheduler import SchedulerStats
+from widellm.distributed.load_balancer import DPLoadBalancer
 from widellm.engine.core_proc import (
-    EngineCoreOutputs, ReadyMessage, RequestKind, run_engine_core,
+    HELLO, EngineCoreOutputs, HandshakeReply, ReadyMessage, RequestKind, rank_identity,
+    run_engine_core,
 )
 from widellm.engine.engine_core import EngineCoreRequest
 
@@ -29,89 +42,229 @@ logger = logging.getLogger(__name__)
 # Loading a large checkpoint can take minutes; a core that says nothing for this long is dead.
 STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 5.0
+_POLL_S = 0.5
 
 
 class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; requests in flight cannot complete."""
+    """An engine-core process is gone; requests in flight cannot complete."""
+
+
+def spawn_engine_cores(config: EngineConfig, handshake_addr: str) -> list[multiprocessing.Process]:
+    """Start this machine's ranks (``data_parallel_start_rank`` onwards) as processes."""
+    pc = config.parallel_config
+    # spawn, not fork: the parent may hold threads and torch state that do not fork well.
+    mp = multiprocessing.get_context("spawn")
+    procs = []
+    for rank in range(pc.data_parallel_start_rank, pc.data_parallel_start_rank + pc.local_size):
+        proc = mp.Process(target=run_engine_core, args=(config, handshake_addr, rank),
+                          name=f"widellm-engine-core-{rank}", daemon=True)
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def stop_processes(procs: Sequence[multiprocessing.Process], grace_s: float) -> None:
+    """Join, then kill whatever is still running."""
+    for proc in procs:
+        proc.join(grace_s)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(grace_s)
 
 
 class EngineCoreClient:
     def __init__(self, config: EngineConfig) -> None:
+        pc = config.parallel_config
+        self.num_ranks = pc.data_parallel_size
         self._tmpdir = tempfile.mkdtemp(prefix="widellm-ipc-")
-        input_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
-        output_addr = f"ipc://{os.path.join(self._tmpdir, 'output')}"
-        # A plain (sync) context for the blocking start-up handshake, async for serving.
+        # Async sockets for serving; the sync paths use shadows of the same sockets.
         self._ctx = zmq.asyncio.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.bind(input_addr)
+        self._input = self._ctx.socket(zmq.ROUTER)
+        # Fail loudly, not silently drop, when sending to a rank that is not connected.
+        self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._output = self._ctx.socket(zmq.PULL)
-        self._output.bind(output_addr)
+        if pc.data_parallel_rpc_port is None:
+            handshake_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
+            self._input.bind(handshake_addr)
+            self._output.bind(f"ipc://{os.path.join(self._tmpdir, 'output')}")
+        else:
+            handshake_addr = f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port}"
+            self._input.bind(handshake_addr)
+            self._output.bind(f"tcp://{pc.data_parallel_address}:*")
+        self._output_addr = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sync_in = zmq.Socket.shadow(self._input.underlying)
+        self._sync_out = zmq.Socket.shadow(self._output.underlying)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        # spawn, not fork: the frontend may hold threads and torch state that do not fork well.
-        mp = multiprocessing.get_context("spawn")
-        self.proc = mp.Process(target=run_engine_core, args=(config, input_addr, output_addr),
-                               name="widellm-engine-core", daemon=True)
-        self.proc.start()
-        self.num_kv_blocks = self._wait_ready()
+        # The rendezvous of the ranks' process groups, reachable wherever the ROUTER is.
+        self._store = (
+            dist.TCPStore(pc.data_parallel_address, 0, None, True, wait_for_workers=False)
+            if pc.needs_lockstep else None
+        )
+        self.procs = spawn_engine_cores(config, handshake_addr)
+        self._req_rank: dict[str, int] = {}
+        # Each rank's latest scheduler stats (KV usage, queue lengths), for logs and tests.
+        self.last_stats: dict[int, SchedulerStats] = {}
+        # Each rank's latest step-time totals (with --collect-step-breakdown).
+        self.last_breakdown: dict[int, dict[str, float]] = {}
+        self.peak_rss_bytes: dict[int, int] = {}
+        try:
+            self.num_kv_blocks = self._handshake(pc.data_parallel_address)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.balancer = DPLoadBalancer(
+            self.num_ranks, config.cache_config.block_size, max_tracked_blocks=self.num_kv_blocks
+        )
 
-    def _wait_ready(self) -> int:
-        sync_sock = zmq.Socket.shadow(self._output.underlying)
+    # ---- start-up ------------------------------------------------------------------------
+
+    def _handshake(self, store_host: str) -> int:
+        """Answer each rank's HELLO, then wait for every READY; returns the smallest KV pool."""
+        reply = self._encoder.encode(HandshakeReply(
+            self._output_addr, store_host, self._store.port if self._store else 0))
         poller = zmq.Poller()
-        poller.register(sync_sock, zmq.POLLIN)
+        poller.register(self._sync_in, zmq.POLLIN)
+        poller.register(self._sync_out, zmq.POLLIN)
+        ready: dict[int, int] = {}
         waited = 0.0
-        step_s = 0.5
-        while waited < STARTUP_TIMEOUT_S:
-            if poller.poll(int(step_s * 1000)):
-                raw = sync_sock.recv()
+        while len(ready) < self.num_ranks:
+            if waited >= STARTUP_TIMEOUT_S:
+                missing = sorted(set(range(self.num_ranks)) - set(ready))
+                raise RuntimeError(f"engine cores {missing} not ready after {waited:.0f} s")
+            events = dict(poller.poll(int(_POLL_S * 1000)))
+            if self._sync_in in events:
+                identity, kind, _ = self._sync_in.recv_multipart()
+                if kind == HELLO:
+                    self._sync_in.send_multipart([identity, reply])
+            if self._sync_out in events:
+                raw = self._sync_out.recv()
                 try:
-                    ready = msgspec.msgpack.decode(raw, type=ReadyMessage)
+                    msg = msgspec.msgpack.decode(raw, type=ReadyMessage)
                 except msgspec.ValidationError:
-                    err = self._decoder.decode(raw).engine_error
-                    self.shutdown()
-                    raise RuntimeError(f"engine core failed to start: {err}") from None
-                return ready.num_kv_blocks
-            if not self.proc.is_alive():
-                self.shutdown()
-                raise RuntimeError(
-                    f"engine core exited during start-up (exit code {self.proc.exitcode})"
-                )
-            waited += step_s
-        self.shutdown()
-        raise RuntimeError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
+                    err = self._decoder.decode(raw)
+                    raise RuntimeError(
+                        f"engine core {err.dp_rank} failed to start: {err.engine_error}") from None
+                ready[msg.dp_rank] = msg.num_kv_blocks
+            dead = [p for p in self.procs if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"engine core exited during start-up "
+                                   f"({dead[0].name}, exit code {dead[0].exitcode})")
+            waited += 0 if events else _POLL_S
+        return min(ready.values())
+
+    # ---- health --------------------------------------------------------------------------
 
     def is_alive(self) -> bool:
-        return self.proc.is_alive()
+        return all(p.is_alive() for p in self.procs)
 
-    async def add_request(self, request: EngineCoreRequest) -> None:
-        await self._send(RequestKind.ADD, self._encoder.encode(request))
+    def dead_reason(self) -> str:
+        dead = [p for p in self.procs if not p.is_alive()]
+        if not dead:
+            return "engine core is not running"
+        return f"engine core process exited ({dead[0].name}, exit code {dead[0].exitcode})"
 
-    async def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            await self._send(RequestKind.ABORT, self._encoder.encode(request_ids))
+    # ---- routing -------------------------------------------------------------------------
 
-    async def get_output(self, timeout_s: float) -> EngineCoreOutputs | None:
-        """The next output batch, or None after ``timeout_s`` without one."""
+    def check_rank(self, data_parallel_rank: int | None) -> None:
+        """ValueError unless ``data_parallel_rank`` is None or an existing rank."""
+        if data_parallel_rank is not None and not 0 <= data_parallel_rank < self.num_ranks:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.num_ranks}), "
+                             f"got {data_parallel_rank}")
+
+    def _frames(self, kind: RequestKind, rank: int, payload: bytes) -> list[bytes]:
+        return [rank_identity(rank), int(kind).to_bytes(1, "little"), payload]
+
+    def _route(self, requests: Sequence[EngineCoreRequest],
+               data_parallel_rank: int | None) -> list[list[bytes]]:
+        """Frames sending the samples of one request to one rank (the balancer's choice
+        unless pinned), each counted in flight there."""
+        self.check_rank(data_parallel_rank)
+        prompt = requests[0].prompt_token_ids
+        rank = data_parallel_rank
+        frames = []
+        for request in requests:
+            if rank is None:
+                rank = self.balancer.choose_rank(prompt)
+            else:
+                self.balancer.assign(rank, prompt)
+            self._req_rank[request.request_id] = rank
+            frames.append(self._frames(RequestKind.ADD, rank, self._encoder.encode(request)))
+        return frames
+
+    def _route_aborts(self, request_ids: Sequence[str]) -> list[list[bytes]]:
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            rank = self._req_rank.pop(rid, None)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(rid)
+                self.balancer.request_finished(rank)
+        return [self._frames(RequestKind.ABORT, rank, self._encoder.encode(ids))
+                for rank, ids in by_rank.items()]
+
+    def _on_batch(self, raw: bytes) -> EngineCoreOutputs:
+        batch = self._decoder.decode(raw)
+        for out in batch.outputs:
+            if out.finished and self._req_rank.pop(out.request_id, None) is not None:
+                self.balancer.request_finished(batch.dp_rank)
+        self.peak_rss_bytes[batch.dp_rank] = batch.peak_rss_bytes
+        if batch.step_breakdown is not None:
+            self.last_breakdown[batch.dp_rank] = batch.step_breakdown
+        stats = batch.scheduler_stats
+        if stats is not None:
+            self.last_stats[batch.dp_rank] = stats
+            self.balancer.update_stats(batch.dp_rank, stats.num_waiting_reqs,
+                                       stats.num_running_reqs)
+        return batch
+
+    # ---- sync (offline engine) -----------------------------------------------------------
+
+    def add_requests(self, requests: Sequence[EngineCoreRequest],
+                     data_parallel_rank: int | None = None) -> None:
+        """Send the samples of one request (all share its prompt) to one rank."""
+        for frames in self._route(requests, data_parallel_rank):
+            self._sync_in.send_multipart(frames)
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        for frames in self._route_aborts(request_ids):
+            self._sync_in.send_multipart(frames)
+
+    def get_output(self, timeout_s: float) -> EngineCoreOutputs | None:
+        """The next output batch from any rank, or None after ``timeout_s`` without one."""
+        if not self._sync_out.poll(int(timeout_s * 1000)):
+            return None
+        return self._on_batch(self._sync_out.recv())
+
+    # ---- async (server) ------------------------------------------------------------------
+
+    async def add_requests_async(self, requests: Sequence[EngineCoreRequest],
+                                 data_parallel_rank: int | None = None) -> None:
+        for frames in self._route(requests, data_parallel_rank):
+            await self._input.send_multipart(frames)
+
+    async def abort_requests_async(self, request_ids: Sequence[str]) -> None:
+        for frames in self._route_aborts(request_ids):
+            await self._input.send_multipart(frames)
+
+    async def get_output_async(self, timeout_s: float) -> EngineCoreOutputs | None:
         if not await self._output.poll(int(timeout_s * 1000)):
             return None
-        return self._decoder.decode(await self._output.recv())
+        return self._on_batch(await self._output.recv())
 
-    async def _send(self, kind: RequestKind, payload: bytes) -> None:
-        await self._input.send_multipart([int(kind).to_bytes(1, "little"), payload])
+    # ---- shutdown ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        if self.proc.is_alive():
+        """Tell every rank (local or remote) to stop, wait for the local ones, kill laggards."""
+        for rank in range(self.num_ranks):
             try:
-                sync_in = zmq.Socket.shadow(self._input.underlying)
-                sync_in.send_multipart([int(RequestKind.SHUTDOWN).to_bytes(1, "little"), b""],
-                                       flags=zmq.NOBLOCK)
+                self._sync_in.send_multipart(self._frames(RequestKind.SHUTDOWN, rank, b""),
+                                             flags=zmq.NOBLOCK)
             except zmq.ZMQError:
-                pass
-            self.proc.join(SHUTDOWN_GRACE_S)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(SHUTDOWN_GRACE_S)
+                pass  # that rank never connected or is gone
+        stop_processes(self.procs, SHUTDOWN_GRACE_S)
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()
+        self._store = None
         shutil.rmtree(self._tmpdir, ignore_errors=True)

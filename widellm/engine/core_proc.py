@@ -1,15 +1,28 @@
-"""The engine core in its own process, talking to the frontend over ZMQ.
+"""The engine core in its own process (one per data-parallel rank), talking to the frontend
+over ZMQ.
 
-Frames are msgpack (msgspec). Frontend -> core on a PULL socket: ``(kind, payload)`` with kind
-``ADD`` (an EngineCoreRequest), ``ABORT`` (request ids) or ``SHUTDOWN``. Core -> frontend on
-a PUSH socket: ``EngineCoreOutputs`` batches, one per step that produced anything, carrying
-scheduler stats. The loop steps while there is work and blocks on the socket when idle, so an
-idle server burns no CPU. A crash sends one ``EngineCoreOutputs`` with ``engine_error`` set
-before the process exits, so in-flight requests fail fast instead of hanging.
+Start-up: the core connects a DEALER socket (identity = its rank) to the frontend's ROUTER at
+``handshake_addr`` and says HELLO; the frontend answers where to send outputs and where the
+torch.distributed rendezvous store is. Only that one address has to be known, so ranks on
+another machine (``--headless``) find everything from ``--data-parallel-address`` and
+``--data-parallel-rpc-port``. The core then joins the process groups, builds the model and
+sends READY.
+
+Frames are msgpack (msgspec). Frontend -> core: ``(kind, payload)`` with kind ``ADD`` (an
+EngineCoreRequest), ``ABORT`` (request ids) or ``SHUTDOWN``. Core -> frontend on a PUSH
+socket: ``EngineCoreOutputs`` batches, one per step that produced anything, with scheduler
+stats and the rank. The loop steps while there is work and blocks on the socket when idle. A
+crash sends one ``EngineCoreOutputs`` with ``engine_error`` set before the process exits, so
+in-flight requests fail fast instead of hanging.
+
+With expert parallelism the ranks step in lockstep (``distributed/lockstep.py``): each loop
+iteration starts with a tiny all-reduce of "have work / shutting down"; ranks without work
+run a dummy batch while any rank has work.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -18,17 +31,26 @@ import time
 import traceback
 
 import msgspec
+import torch
 import zmq
 
 from widellm.config import EngineConfig
 from widellm.core.outputs import EngineCoreOutput
 from widellm.core.scheduler import SchedulerStats
+from widellm.distributed.groups import DPGroups, destroy_dp_groups, init_dp_groups
+from widellm.distributed.lockstep import DPLockstep
 from widellm.engine.engine_core import EngineCore, EngineCoreRequest
+from widellm.step_timer import maybe_phase
+from widellm.worker.memory import peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 
 # How long an idle core blocks on its input socket before re-checking for shutdown.
 IDLE_POLL_MS = 1000
+# Idle lockstep ranks meet in an all-reduce this often: the most a new request waits for the
+# other ranks to join its first step.
+LOCKSTEP_IDLE_POLL_MS = 10
+HELLO = b"HELLO"
 
 
 class RequestKind(enum.IntEnum):
@@ -42,75 +64,153 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     engine_error: str | None = None
+    dp_rank: int = 0
+    # Seconds per step phase summed since start (with --collect-step-breakdown).
+    step_breakdown: dict[str, float] | None = None
+    peak_rss_bytes: int = 0  # of this rank's process
+
+
+class HandshakeReply(msgspec.Struct, array_like=True):
+    output_addr: str
+    store_host: str
+    store_port: int  # 0 when there is a single rank (no process group)
 
 
 class ReadyMessage(msgspec.Struct, array_like=True):
+    dp_rank: int
     num_kv_blocks: int
     pid: int
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Process entry point (spawned by the frontend client)."""
+def rank_identity(rank: int) -> bytes:
+    """ZMQ identity of a rank's DEALER socket, as the frontend's ROUTER addresses it."""
+    return b"rank-%d" % rank
+
+
+def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int) -> None:
+    """Process entry point (spawned by the frontend client or a headless launcher)."""
     # The frontend owns Ctrl-C; the core stops when told to or when its parent goes away.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("WIDELLM_LOGGING_LEVEL", "INFO"),
-                        format="%(levelname)s %(asctime)s core: %(message)s", datefmt="%H:%M:%S")
+                        format=f"%(levelname)s %(asctime)s core{dp_rank}: %(message)s",
+                        datefmt="%H:%M:%S")
+    pc = config.parallel_config
+    config = config.replace(parallel_config=dataclasses.replace(pc, data_parallel_rank=dp_rank))
     ctx = zmq.Context()
-    inp = ctx.socket(zmq.PULL)
-    inp.connect(input_addr)
+    inp = ctx.socket(zmq.DEALER)
+    inp.setsockopt(zmq.IDENTITY, rank_identity(dp_rank))
+    inp.connect(handshake_addr)
+    inp.send_multipart([HELLO, msgspec.msgpack.encode(dp_rank)])
+    reply = msgspec.msgpack.decode(inp.recv(), type=HandshakeReply)
     out = ctx.socket(zmq.PUSH)
-    out.connect(output_addr)
+    out.connect(reply.output_addr)
     encoder = msgspec.msgpack.Encoder()
+    groups = None
     try:
-        core = EngineCore(config)
-        out.send(encoder.encode(ReadyMessage(core.scheduler.kv_cache_manager.block_pool.num_blocks,
-                                             os.getpid())))
-        _serve(core, inp, out, encoder)
+        if torch.cuda.is_available():
+            torch.cuda.set_device((dp_rank - pc.data_parallel_start_rank) % torch.cuda.device_count())
+        if pc.needs_lockstep:
+            groups = init_dp_groups(dp_rank, pc.data_parallel_size, reply.store_host,
+                                    reply.store_port, pc.distributed_timeout_s)
+        core = EngineCore(config, groups)
+        out.send(encoder.encode(ReadyMessage(
+            dp_rank, core.scheduler.kv_cache_manager.block_pool.num_blocks, os.getpid())))
+        _CoreLoop(core, inp, out, encoder, dp_rank, groups).run()
     except Exception as e:  # report, then die: the frontend fails in-flight requests
         logger.error("engine core failed:\n%s", traceback.format_exc())
-        out.send(encoder.encode(EngineCoreOutputs(engine_error=f"{type(e).__name__}: {e}")))
+        out.send(encoder.encode(EngineCoreOutputs(engine_error=f"{type(e).__name__}: {e}",
+                                                  dp_rank=dp_rank)))
     finally:
         out.close(linger=1000)
         inp.close(linger=0)
         ctx.term()
+        if groups is not None:
+            destroy_dp_groups()
 
 
-def _serve(core: EngineCore, inp: zmq.Socket, out: zmq.Socket,
-           encoder: msgspec.msgpack.Encoder) -> None:
-    decode_add = msgspec.msgpack.Decoder(EngineCoreRequest)
-    decode_ids = msgspec.msgpack.Decoder(list[str])
-    poller = zmq.Poller()
-    poller.register(inp, zmq.POLLIN)
-    stats_dirty = False  # an abort changed the KV usage the frontend last saw
-    while True:
-        busy = core.has_unfinished_requests()
-        # Drain everything that arrived; block only when there is nothing to step.
-        timeout = 0 if busy else IDLE_POLL_MS
-        while poller.poll(timeout):
-            kind_frame, payload = inp.recv_multipart()
+class _CoreLoop:
+    """Receive requests, step, send outputs, until told to stop."""
+
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket,
+                 encoder: msgspec.msgpack.Encoder, dp_rank: int, groups: DPGroups | None) -> None:
+        self.core, self.inp, self.out, self.encoder = core, inp, out, encoder
+        self.dp_rank = dp_rank
+        self.lockstep = DPLockstep(groups.cpu_group) if core.lockstep else None
+        self.decode_add = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.decode_ids = msgspec.msgpack.Decoder(list[str])
+        self.poller = zmq.Poller()
+        self.poller.register(inp, zmq.POLLIN)
+        self.shutdown_requested = False
+        self.stats_dirty = False  # an abort changed the KV usage the frontend last saw
+
+    def run(self) -> None:
+        if self.lockstep is None:
+            self._run_independent()
+        else:
+            self._run_lockstep()
+        self.core.shutdown()
+
+    def _run_independent(self) -> None:
+        core = self.core
+        while True:
+            self._drain(0 if core.has_unfinished_requests() else IDLE_POLL_MS)
+            if self.shutdown_requested:
+                return
+            if not core.has_unfinished_requests():
+                self._send_stats_if_dirty()
+                continue
+            self._step()
+
+    def _run_lockstep(self) -> None:
+        core, in_wave = self.core, False
+        while True:
+            busy = in_wave or core.has_unfinished_requests()
+            self._drain(0 if busy else LOCKSTEP_IDLE_POLL_MS)
+            with maybe_phase(core.step_timer, "lockstep_sync"):
+                state = self.lockstep.sync(core.has_unfinished_requests(),
+                                           self.shutdown_requested)
+            if state.any_shutdown:
+                return
+            in_wave = state.any_has_work
+            if not in_wave:
+                self._send_stats_if_dirty()
+            elif core.has_unfinished_requests():
+                self._step()
+            else:
+                core.execute_dummy_batch()
+
+    def _drain(self, timeout_ms: int) -> None:
+        """Apply everything that arrived, waiting up to ``timeout_ms`` for the first frame."""
+        while not self.shutdown_requested and self.poller.poll(timeout_ms):
+            kind_frame, payload = self.inp.recv_multipart()
             kind = RequestKind(int.from_bytes(kind_frame, "little"))
             if kind == RequestKind.SHUTDOWN:
-                core.shutdown()
-                return
-            if kind == RequestKind.ADD:
-                core.add_request(decode_add.decode(payload))
+                self.shutdown_requested = True
+            elif kind == RequestKind.ADD:
+                self.core.add_request(self.decode_add.decode(payload))
             else:
-                core.abort_requests(decode_ids.decode(payload))
-                stats_dirty = True
-            timeout = 0
-        if os.getppid() == 1:  # orphaned: the frontend died without a goodbye
-            core.shutdown()
-            return
-        if not core.has_unfinished_requests():
-            if stats_dirty:
-                out.send(encoder.encode(EngineCoreOutputs(
-                    scheduler_stats=core.scheduler.make_stats(), timestamp=time.time())))
-                stats_dirty = False
-            continue
-        outputs = core.step()
-        stats_dirty = False
-        if outputs or not core.has_unfinished_requests():
-            out.send(encoder.encode(EngineCoreOutputs(
-                outputs=outputs, scheduler_stats=core.scheduler.make_stats(),
-                timestamp=time.time(),
-            )))
+                self.core.abort_requests(self.decode_ids.decode(payload))
+                self.stats_dirty = True
+            timeout_ms = 0
+        if os.getppid() == 1:  # orphaned: the frontend (or launcher) died without a goodbye
+            self.shutdown_requested = True
+
+    def _step(self) -> None:
+        outputs = self.core.step()
+        self.stats_dirty = False
+        if outputs or not self.core.has_unfinished_requests():
+            self._send(outputs)
+
+    def _send_stats_if_dirty(self) -> None:
+        if self.stats_dirty:
+            self._send([])
+            self.stats_dirty = False
+
+    def _send(self, outputs: list[EngineCoreOutput]) -> None:
+        timer = self.core.step_timer
+        self.out.send(self.encoder.encode(EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.core.scheduler.make_stats(),
+            timestamp=time.time(), dp_rank=self.dp_rank,
+            step_breakdown=dict(timer.totals) if timer is not None else None,
+            peak_rss_bytes=peak_rss_bytes(),
+        )))

@@ -13,12 +13,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 
 from widellm.config import EngineConfig
-from widellm.core.outputs import EngineCoreOutput
+from widellm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from widellm.core.request import Request
 from widellm.core.scheduler import Scheduler
-from widellm.core.outputs import ModelRunnerOutput
 from widellm.core.scheduler_output import SchedulerOutput
+from widellm.distributed.ep_context import ExpertParallelContext
+from widellm.distributed.groups import DPGroups
 from widellm.sampling_params import SamplingParams
+from widellm.step_timer import StepTimer, maybe_phase
 from widellm.worker.kv_cache import available_memory_bytes
 from widellm.worker.model_runner import ModelRunner
 
@@ -36,9 +38,32 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's scheduler and model runner.
+
+    Args:
+        config: the engine configuration.
+        dp_groups: this rank's process groups when it is one of several data-parallel ranks;
+            with expert parallelism its MoE layers exchange tokens over them, and every step
+            runs a forward (a dummy batch when nothing is scheduled) so that they line up.
+    """
+
+    def __init__(self, config: EngineConfig, dp_groups: DPGroups | None = None) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config)
+        pc = config.parallel_config
+        self.lockstep = pc.needs_lockstep
+        if self.lockstep and dp_groups is None:
+            raise ValueError("expert parallelism over several ranks needs their process groups")
+        ep = None
+        if self.lockstep:
+            ep = ExpertParallelContext(
+                rank=dp_groups.rank, size=dp_groups.size, group=dp_groups.device_group,
+                all2all_backend=pc.all2all_backend, fixed_capacity=pc.all2all_fixed_capacity,
+                max_tokens_per_rank=config.scheduler_config.max_num_batched_tokens,
+                max_seqs_per_rank=config.scheduler_config.max_num_seqs,
+            )
+        self.step_timer = (StepTimer(synchronize=True)
+                           if config.observability_config.collect_step_breakdown else None)
+        self.model_runner = ModelRunner(config, ep, self.step_timer)
         num_blocks = self._determine_num_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
@@ -65,9 +90,17 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if self.async_scheduling:
             return self.step_with_batch_queue()
-        scheduler_output = self.scheduler.schedule()
+        with maybe_phase(self.step_timer, "schedule"):
+            scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.lockstep and scheduler_output.is_empty:
+            self.model_runner.execute_dummy_batch()
+        with maybe_phase(self.step_timer, "schedule"):
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def execute_dummy_batch(self) -> None:
+        """A forward with no request in it, for lockstep with ranks that have work."""
+        self.model_runner.execute_dummy_batch()
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Keep two steps in flight: schedule N+1 (with placeholders for N's samples) while

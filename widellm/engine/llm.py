@@ -36,9 +36,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        data_parallel_rank: int | Sequence[int | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single string, token-id list or dict counts
-        as one prompt."""
+        as one prompt. ``data_parallel_rank`` pins all prompts (an int) or each (a list) to
+        a rank; by default the load balancer picks."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -54,8 +56,22 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: {len(params)} given for {len(prompts)} prompts"
                 )
-        request_ids = self.llm_engine.add_requests(prompts, params)
+        if data_parallel_rank is None or isinstance(data_parallel_rank, int):
+            ranks = [data_parallel_rank] * len(prompts)
+        else:
+            ranks = list(data_parallel_rank)
+        request_ids = self.llm_engine.add_requests(prompts, params, data_parallel_ranks=ranks)
         return self._run_engine(request_ids, use_tqdm)
+
+    def shutdown(self) -> None:
+        """Stop the engine-core processes (data-parallel ranks) now rather than at exit."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def chat(
         self,

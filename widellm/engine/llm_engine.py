@@ -1,6 +1,6 @@
-"""In-process engine: input processor + engine core + output processor, stepped by the
-caller (the offline ``LLM`` and benchmarks). The server uses the same pieces with the engine
-core in its own process."""
+"""Offline engine: input processor + engine core(s) + output processor, stepped by the
+caller (the offline ``LLM`` and benchmarks). One rank runs its engine core in-process; several
+data-parallel ranks run as processes behind the same client the server uses."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import logging
 import torch
 
 from widellm.engine.arg_utils import EngineArgs
+from widellm.core.outputs import EngineCoreOutput
+from widellm.engine.core_client import EngineCoreClient, EngineDeadError
 from widellm.engine.engine_core import EngineCore
 from widellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from widellm.engine.processor import InputProcessor, PromptType
@@ -17,6 +19,9 @@ from widellm.outputs import RequestOutput
 from widellm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# How long the offline loop waits for the ranks' outputs before checking they are alive.
+HEALTH_POLL_S = 0.5
 
 
 class LLMEngine:
@@ -27,7 +32,12 @@ class LLMEngine:
         self.processor = InputProcessor.from_model_config(mc)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(self.config)
+        if self.config.parallel_config.data_parallel_size == 1:
+            self.engine_core: EngineCore | None = EngineCore(self.config)
+            self.client: EngineCoreClient | None = None
+        else:
+            self.engine_core = None
+            self.client = EngineCoreClient(self.config)
         self._ids = itertools.count()
 
     def next_request_id(self) -> str:
@@ -38,30 +48,71 @@ class LLMEngine:
         prompts: list[PromptType],
         params: list[SamplingParams],
         kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+        data_parallel_ranks: list[int | None] | None = None,
     ) -> list[str]:
-        """Validate every prompt first, then add them all: one bad prompt adds nothing."""
+        """Validate every prompt first, then add them all: one bad prompt adds nothing.
+        ``data_parallel_ranks`` pins prompts to ranks (None entries: the balancer picks)."""
+        ranks = data_parallel_ranks or [None] * len(prompts)
+        if len(ranks) != len(prompts):
+            raise ValueError(f"data_parallel_rank: {len(ranks)} given for {len(prompts)} prompts")
         prepared = []
-        for prompt, p in zip(prompts, params, strict=True):
+        for prompt, p, rank in zip(prompts, params, ranks, strict=True):
             text, token_ids = self.processor.tokenize(prompt)
             self.processor.validate_prompt(token_ids)
-            prepared.append((text, token_ids, p))
+            if rank is not None:
+                if self.client is None and rank != 0:
+                    raise ValueError(f"data_parallel_rank {rank}: there is only rank 0")
+                if self.client is not None:
+                    self.client.check_rank(rank)
+            prepared.append((text, token_ids, p, rank))
         request_ids = []
-        for text, token_ids, p in prepared:
+        for text, token_ids, p, rank in prepared:
             rid = self.next_request_id()
             core_ids = self.output_processor.add_request(rid, text, token_ids, p, kind)
-            for req in self.processor.make_core_requests(rid, token_ids, p, core_ids):
-                self.engine_core.add_request(req)
+            core_reqs = self.processor.make_core_requests(rid, token_ids, p, core_ids)
+            if self.client is not None:
+                self.client.add_requests(core_reqs, rank)
+            else:
+                for req in core_reqs:
+                    self.engine_core.add_request(req)
             request_ids.append(rid)
         return request_ids
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+        self._abort_core(self.output_processor.abort_requests(request_ids))
+
+    def _abort_core(self, core_ids: list[str]) -> None:
+        if self.client is not None:
+            self.client.abort_requests(core_ids)
+        else:
+            self.engine_core.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
+        if self.client is not None:
+            return self.output_processor.has_unfinished_requests()
         return self.engine_core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        outputs, to_abort = self.output_processor.process_outputs(self.engine_core.step())
+        outputs, to_abort = self.output_processor.process_outputs(self._core_step())
         if to_abort:
-            self.engine_core.abort_requests(to_abort)
+            self._abort_core(to_abort)
         return outputs
+
+    def _core_step(self) -> list[EngineCoreOutput]:
+        if self.client is None:
+            return self.engine_core.step()
+        batch = self.client.get_output(HEALTH_POLL_S)
+        if batch is None:
+            if not self.client.is_alive():
+                raise EngineDeadError(self.client.dead_reason())
+            return []
+        if batch.engine_error is not None:
+            raise EngineDeadError(f"engine core {batch.dp_rank} failed: {batch.engine_error}")
+        return batch.outputs
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+            self.client = None
+        elif self.engine_core is not None:
+            self.engine_core.shutdown()

@@ -18,28 +18,45 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 LOG_INTERVAL_S = 10.0
+_ZERO_STATS = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+
+def _sum_stats(per_rank: list[SchedulerStats]) -> SchedulerStats:
+    """All ranks as one: counts add up, KV usage is the mean over ranks."""
+    if not per_rank:
+        return _ZERO_STATS
+    return SchedulerStats(
+        sum(s.num_running_reqs for s in per_rank),
+        sum(s.num_waiting_reqs for s in per_rank),
+        sum(s.kv_cache_usage for s in per_rank) / len(per_rank),
+        sum(s.prefix_cache_queries for s in per_rank),
+        sum(s.prefix_cache_hits for s in per_rank),
+        sum(s.num_preemptions for s in per_rank),
+    )
 
 
 class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
+        # Per-rank numbers (one engine core per DP rank) carry the rank as a label.
+        rank_labels = labels + ["rank"]
         r = self.registry
         self.num_requests_running = Gauge(
-            "widellm:num_requests_running", "Requests in the running batch", labels, registry=r)
+            "widellm:num_requests_running", "Requests in the running batch", rank_labels, registry=r)
         self.num_requests_waiting = Gauge(
-            "widellm:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
+            "widellm:num_requests_waiting", "Requests waiting to be scheduled", rank_labels, registry=r)
         self.kv_cache_usage_perc = Gauge(
-            "widellm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", labels,
+            "widellm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", rank_labels,
             registry=r)
         self.prefix_cache_queries = Counter(
-            "widellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels,
+            "widellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", rank_labels,
             registry=r)
         self.prefix_cache_hits = Counter(
-            "widellm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
+            "widellm:prefix_cache_hits", "Prompt tokens found in the prefix cache", rank_labels,
             registry=r)
         self.num_preemptions = Counter(
-            "widellm:num_preemptions", "Requests preempted for lack of KV blocks", labels,
+            "widellm:num_preemptions", "Requests preempted for lack of KV blocks", rank_labels,
             registry=r)
         self.prompt_tokens = Counter(
             "widellm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
@@ -58,21 +75,22 @@ class EngineMetrics:
             "widellm:e2e_request_latency_seconds", "Arrival to finish", labels,
             buckets=E2E_BUCKETS, registry=r)
         self._labels = {"model_name": model_name}
-        self._last_core = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        # Latest stats of each rank; the core reports running totals.
+        self._last_core: dict[int, SchedulerStats] = {}
         self._last_log = time.monotonic()
         self._tokens_since_log = [0, 0]  # prompt, generation
 
-    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        lb = self._labels
+    def record_scheduler_stats(self, stats: SchedulerStats, rank: int = 0) -> None:
+        lb = {**self._labels, "rank": str(rank)}
         self.num_requests_running.labels(**lb).set(stats.num_running_reqs)
         self.num_requests_waiting.labels(**lb).set(stats.num_waiting_reqs)
         self.kv_cache_usage_perc.labels(**lb).set(stats.kv_cache_usage)
-        last = self._last_core
+        last = self._last_core.get(rank, _ZERO_STATS)
         # The core reports running totals; counters advance by the difference.
         self.prefix_cache_queries.labels(**lb).inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_cache_hits.labels(**lb).inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.labels(**lb).inc(stats.num_preemptions - last.num_preemptions)
-        self._last_core = stats
+        self._last_core[rank] = stats
 
     def record_tokens(self, num_new_tokens: int, itl_s: float | None) -> None:
         self.generation_tokens.labels(**self._labels).inc(num_new_tokens)
@@ -96,7 +114,7 @@ class EngineMetrics:
         elapsed = now - self._last_log
         if elapsed < LOG_INTERVAL_S:
             return
-        s = self._last_core
+        s = _sum_stats(list(self._last_core.values()))
         prompt, gen = self._tokens_since_log
         hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         logger.info(

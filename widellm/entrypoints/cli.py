@@ -44,6 +44,11 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    if args.headless:
+        from widellm.engine.headless import run_headless
+
+        run_headless(EngineArgs.from_cli_args(args))
+        return
     from widellm.entrypoints.api_server import run_server
 
     run_server(args)

@@ -27,3 +27,7 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
                         choices=UVICORN_LOG_LEVELS)
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="do not log every HTTP request")
+    parser.add_argument("--headless", action="store_true",
+                        help="run this machine's data-parallel ranks (from "
+                             "--data-parallel-start-rank) without an API server; they join "
+                             "the head node at --data-parallel-address:--data-parallel-rpc-port")

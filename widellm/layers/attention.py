@@ -43,7 +43,7 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D]."""
-        md: AttentionMetadata = get_forward_context()
+        md: AttentionMetadata = get_forward_context().attn_metadata
         k_cache = self.kv_cache[0].flatten(0, 1)  # [slots, Hkv, D]
         v_cache = self.kv_cache[1].flatten(0, 1)
         store_to_cache(k_cache, md.slot_mapping, k)

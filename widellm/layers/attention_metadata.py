@@ -39,6 +39,9 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [D, L] cache slot per context position (0 past the end)
     decode_mask: torch.Tensor | None  # [D, 1, 1, L] True where position < seq_len
     prefills: list[PrefillSeq]
+    # [T] bool, True for padding rows (dummy batches): MoE layers give them expert id -1.
+    # None when the batch has no padding.
+    padding_mask: torch.Tensor | None = None
 
 
 def build_attention_metadata(
@@ -101,4 +104,18 @@ def build_attention_metadata(
         decode_slots=decode_slots,
         decode_mask=decode_mask,
         prefills=prefills,
+    )
+
+
+def dummy_attention_metadata() -> AttentionMetadata:
+    """One padding token attending only to itself, writing nothing to the cache: the batch a
+    rank without work runs so that the expert-parallel collectives of every layer line up."""
+    return AttentionMetadata(
+        num_tokens=1,
+        slot_mapping=torch.full((1,), -1, dtype=torch.int64),
+        num_decodes=0,
+        decode_slots=None,
+        decode_mask=None,
+        prefills=[PrefillSeq(0, 1, 1, None, None)],
+        padding_mask=torch.ones(1, dtype=torch.bool),
     )

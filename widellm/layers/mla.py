@@ -61,7 +61,7 @@ class MLAAttention(nn.Module):
     def forward(self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """q [T, H, nope+rope] (rope part rotated), kv_c [T, kv_lora] (normalised latent),
         k_pe [T, rope] (rotated) -> [T, H, v_head_dim]."""
-        md: AttentionMetadata = get_forward_context()
+        md: AttentionMetadata = get_forward_context().attn_metadata
         cache = self.kv_cache.flatten(0, 1)  # [slots, kv_lora + rope]
         store_to_cache(cache, md.slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)

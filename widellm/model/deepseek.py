@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from widellm.layers.mla import MLAAttention
+from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.moe.layer import FusedMoE
 from widellm.layers.norm import RMSNorm
 from widellm.layers.rotary import RotaryEmbedding, rope_parameters
@@ -112,7 +113,7 @@ class DeepseekGate(nn.Module):
 class DeepseekMoE(nn.Module):
     """x [T, H] -> routed experts (top-k of n_routed_experts) + shared experts, [T, H]."""
 
-    def __init__(self, cfg: Any, is_v3: bool) -> None:
+    def __init__(self, cfg: Any, is_v3: bool, ep: ExpertParallelContext | None = None) -> None:
         super().__init__()
         sigmoid = is_v3 or getattr(cfg, "scoring_func", "softmax") == "sigmoid"
         topk_method = getattr(cfg, "topk_method", "noaux_tc" if is_v3 else "greedy")
@@ -134,6 +135,7 @@ class DeepseekMoE(nn.Module):
             group_score="top2_sum" if topk_method == "noaux_tc" else "max",
             e_score_correction_bias=self.gate.e_score_correction_bias,
             routed_scaling_factor=scaling,
+            ep=ep,
         )
         n_shared = getattr(cfg, "n_shared_experts", 0) or 0
         self.shared_experts = (
@@ -159,13 +161,13 @@ def _is_moe_layer(cfg: Any, i: int) -> bool:
 class DeepseekV2ForCausalLM(CausalLM):
     is_v3 = False
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, ep: ExpertParallelContext | None = None) -> None:
         interleaved = getattr(cfg, "rope_interleave", True)
         rope = RotaryEmbedding(cfg, cfg.qk_rope_head_dim, cfg.max_position_embeddings,
                                style="interleaved" if interleaved else "neox")
 
         def make_layer(i: int) -> nn.Module:
-            mlp = (DeepseekMoE(cfg, self.is_v3) if _is_moe_layer(cfg, i)
+            mlp = (DeepseekMoE(cfg, self.is_v3, ep) if _is_moe_layer(cfg, i)
                    else LlamaMLP(cfg.hidden_size, cfg.intermediate_size))
             return DecoderLayer(cfg, DeepseekMLAAttention(cfg, rope), mlp)
 

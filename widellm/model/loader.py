@@ -3,9 +3,10 @@ or sharded with an index) and GGUF files (dequantized on load)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,8 +14,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
+from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.model.registry import get_model_class
-from widellm.model.weight_utils import process_weights_after_loading
+from widellm.model.weight_utils import process_weights_after_loading, remote_expert_filter
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -60,8 +62,12 @@ def load_hf_config(path: str) -> Any:
     return cfg
 
 
-def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs, one tensor in memory at a time."""
+def iterate_weights(
+    path: str, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs, one tensor in memory at a time. Safetensors names for which
+    ``skip`` is true are not read at all (other ranks' experts); GGUF stores each layer's
+    experts stacked in one tensor, so there every rank reads them all."""
     if path.endswith(".gguf"):
         from widellm.model.gguf_loader import load_gguf
 
@@ -78,20 +84,26 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(os.path.join(path, name), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                if skip is None or not skip(key):
+                    yield key, f.get_tensor(key)
 
 
-def build_model(hf_config: Any, path: str, dtype: torch.dtype) -> nn.Module:
-    """Instantiate the architecture in ``dtype`` (routers stay fp32) and load the weights."""
+def build_model(
+    hf_config: Any, path: str, dtype: torch.dtype, ep: ExpertParallelContext | None = None
+) -> nn.Module:
+    """Instantiate the architecture in ``dtype`` (routers stay fp32) and load the weights.
+    With ``ep``, MoE models hold and read only this rank's routed experts; dense models have
+    nothing to split and ignore it."""
     cls = get_model_class(hf_config.architectures[0])
+    kwargs = {"ep": ep} if ep is not None and "ep" in inspect.signature(cls).parameters else {}
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = cls(hf_config)
+        model = cls(hf_config, **kwargs)
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
-        model.load_weights(iterate_weights(path))
+        model.load_weights(iterate_weights(path, skip=remote_expert_filter(model)))
     process_weights_after_loading(model)
     return model.eval()
 

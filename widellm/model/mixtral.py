@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.moe.layer import FusedMoE
 from widellm.model.llama import (
     CausalLM, DecoderLayer, DecoderModel, LlamaAttention, llama_stacked_shards, make_rotary,
@@ -15,7 +16,7 @@ from widellm.model.llama import (
 
 
 class MixtralMoeBlock(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, ep: ExpertParallelContext | None = None) -> None:
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
         self.experts = FusedMoE(
@@ -25,6 +26,7 @@ class MixtralMoeBlock(nn.Module):
             intermediate_size=cfg.intermediate_size,
             scoring_func="softmax",
             renormalize=True,
+            ep=ep,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -33,12 +35,12 @@ class MixtralMoeBlock(nn.Module):
 
 
 class MixtralForCausalLM(CausalLM):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, ep: ExpertParallelContext | None = None) -> None:
         rope = make_rotary(cfg)
 
         def make_layer(i: int) -> nn.Module:
             return DecoderLayer(cfg, LlamaAttention(cfg, rope, qkv_bias=False),
-                                MixtralMoeBlock(cfg), mlp_name="block_sparse_moe")
+                                MixtralMoeBlock(cfg, ep), mlp_name="block_sparse_moe")
 
         super().__init__(cfg, DecoderModel(cfg, make_layer))
         self.stacked_shards = llama_stacked_shards(cfg)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.moe.layer import FusedMoE
 from widellm.model.llama import (
     CausalLM, DecoderLayer, DecoderModel, LlamaAttention, LlamaMLP, llama_stacked_shards,
@@ -19,7 +20,7 @@ from widellm.model.llama import (
 class QwenMoeBlock(nn.Module):
     """x [T, H] -> [T, H]: routed experts (+ gated shared expert when configured)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, ep: ExpertParallelContext | None = None) -> None:
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = FusedMoE(
@@ -29,6 +30,7 @@ class QwenMoeBlock(nn.Module):
             intermediate_size=cfg.moe_intermediate_size,
             scoring_func="softmax",
             renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
+            ep=ep,
         )
         shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
         self.shared_expert = LlamaMLP(cfg.hidden_size, shared) if shared else None
@@ -54,12 +56,12 @@ class _QwenMoeForCausalLM(CausalLM):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, ep: ExpertParallelContext | None = None) -> None:
         rope = make_rotary(cfg)
 
         def make_layer(i: int) -> nn.Module:
             attn = LlamaAttention(cfg, rope, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
-            mlp = (QwenMoeBlock(cfg) if _is_sparse_layer(cfg, i)
+            mlp = (QwenMoeBlock(cfg, ep) if _is_sparse_layer(cfg, i)
                    else LlamaMLP(cfg.hidden_size, cfg.intermediate_size))
             return DecoderLayer(cfg, attn, mlp)
 

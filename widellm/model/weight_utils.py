@@ -8,7 +8,7 @@ handed to the FusedMoE's ``weight_loader``, which keeps only this rank's experts
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +85,22 @@ def load_weights(
             param.data.copy_(tensor)
             loaded.add(name)
     return loaded
+
+
+def remote_expert_filter(model: nn.Module) -> Callable[[str], bool]:
+    """A predicate on checkpoint names: True for routed-expert tensors that belong to another
+    expert-parallel rank, so the loader never reads them (each rank reads ~1/EP of them)."""
+    modules = dict(model.named_modules())
+
+    def is_remote(name: str) -> bool:
+        m = _EXPERT_RE.match(name)
+        if m is None or m.group("proj") not in _EXPERT_SHARDS:
+            return False
+        module = modules.get(m.group("module"))
+        is_local = getattr(module, "is_local_expert", None)
+        return is_local is not None and not is_local(int(m.group("expert")))
+
+    return is_remote
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], tied: Iterable[str] = ()) -> None:

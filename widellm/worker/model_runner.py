@@ -15,8 +15,10 @@ from widellm.config import EngineConfig
 from widellm.core.outputs import LogprobsLists, ModelRunnerOutput
 from widellm.core.scheduler_output import SchedulerOutput
 from widellm.forward_context import set_forward_context
-from widellm.layers.attention_metadata import build_attention_metadata
+from widellm.distributed.ep_context import ExpertParallelContext
+from widellm.layers.attention_metadata import build_attention_metadata, dummy_attention_metadata
 from widellm.model.loader import build_model
+from widellm.step_timer import StepTimer, maybe_phase
 from widellm.worker.cpu_allocator import keep_freed_memory
 from widellm.worker.input_batch import BatchInputs, CachedRequestState, build_batch_inputs
 from widellm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -27,18 +29,22 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, ep: ExpertParallelContext | None = None,
+        step_timer: StepTimer | None = None,
+    ) -> None:
         self.config = config
         mc = config.model_config
         self.block_size = config.cache_config.block_size
         self.vocab_size = mc.hf_config.vocab_size
-        self.model = build_model(mc.hf_config, mc.model, mc.dtype)
+        self.model = build_model(mc.hf_config, mc.model, mc.dtype, ep)
         self.kv_spec = KVCacheSpec.from_model(self.model, self.block_size, mc.dtype)
         self.sampler = Sampler()
         self.states: dict[str, CachedRequestState] = {}
         # Seeded generators outlive preemption so a recomputed request keeps its stream.
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.step_timer = step_timer
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks)
@@ -59,8 +65,13 @@ class ModelRunner:
             batch.query_lens, batch.context_lens, batch.positions, batch.block_table,
             self.block_size,
         )
-        with set_forward_context(md):
+        timer = self.step_timer
+        with maybe_phase(timer, "forward"), set_forward_context(md, timer):
             hidden = self.model(batch.input_ids, torch.from_numpy(batch.positions))
+        with maybe_phase(timer, "sample"):
+            return self._sample(batch, hidden)
+
+    def _sample(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
 
         query_end = np.cumsum(batch.query_lens)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
@@ -86,6 +97,14 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """One padding token through the model, touching no request and no KV slot: what a
+        rank without work runs so the other ranks' expert-parallel collectives complete."""
+        # Not timed inside: its MoE communication is idle time, not this rank's own traffic.
+        with maybe_phase(self.step_timer, "dummy"), set_forward_context(dummy_attention_metadata()):
+            self.model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
 
     # ---- helpers ---------------------------------------------------------------------------
 

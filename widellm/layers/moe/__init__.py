@@ -9,6 +9,10 @@ from widellm.layers.moe.dispatch import (
     MoEDispatcher,
     local_expert_ids,
 )
+from widellm.layers.moe.dispatch_all2all import All2AllDispatcher
+from widellm.layers.moe.dispatch_all2all_fixed import FixedCapacityAll2AllDispatcher
+from widellm.layers.moe.dispatch_allgather import AllGatherDispatcher
+from widellm.layers.moe.dispatch_ep import ExpertParallelDispatcher
 from widellm.layers.moe.experts import grouped_experts_forward, reference_experts_forward
 from widellm.layers.moe.layer import ExpertParamMapping, FusedMoE, RoutingConfig
 from widellm.layers.moe.registry import DISPATCHER_REGISTRY, make_dispatcher
@@ -17,10 +21,14 @@ from widellm.layers.moe.router import select_experts
 __all__ = [
     "DISPATCHER_REGISTRY",
     "SKIP_EXPERT_ID",
+    "All2AllDispatcher",
+    "AllGatherDispatcher",
     "CombineHandle",
     "DispatchHandle",
     "DispatchedTokens",
+    "ExpertParallelDispatcher",
     "ExpertParamMapping",
+    "FixedCapacityAll2AllDispatcher",
     "FusedMoE",
     "LocalDispatcher",
     "MoEDispatcher",

@@ -167,7 +167,8 @@ class LocalDispatcher(MoEDispatcher):
         assert isinstance(handle, _LocalDispatchHandle)
         weights = handle.topk_weights
         num_tokens, top_k = weights.shape
-        per_slot = expert_output.view(num_tokens, top_k, -1)
+        # Explicit H, not -1: with T = 0 (an empty batch) -1 is ambiguous.
+        per_slot = expert_output.view(num_tokens, top_k, expert_output.shape[-1])
         # Accumulate the k contributions in fp32, one [T, H] slice at a time, so low-precision
         # activations lose nothing in the sum and no [T, k, H] fp32 temporary is needed.
         acc = torch.zeros(

@@ -15,10 +15,13 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
+from widellm.distributed.ep_context import ExpertParallelContext
+from widellm.forward_context import current_forward_context
 from widellm.layers.moe.dispatch import SKIP_EXPERT_ID, MoEDispatcher
 from widellm.layers.moe.experts import experts_forward
 from widellm.layers.moe.registry import make_dispatcher
 from widellm.layers.moe.router import GroupScore, ScoringFunc, select_experts
+from widellm.step_timer import maybe_phase
 
 ParamName = Literal["w13_weight", "w2_weight"]
 ShardId = Literal["w1", "w3", "w2"]
@@ -79,8 +82,11 @@ class FusedMoE(nn.Module):
         dtype: dtype of the expert weights (and of the activations they take).
         device: device of the weights and of the dispatcher's ``expert_map``; build the
             layer on its final device, since ``Module.to`` does not move the dispatcher.
-        dispatcher: registered dispatch backend name.
+        dispatcher: registered dispatch backend name (single rank).
         expert_map: ``[E]`` int64 local index of each global expert or -1; all local if None.
+        ep: expert parallelism; when given with more than one rank it overrides
+            ``dispatcher`` and ``expert_map``: experts are split contiguously over the EP
+            group and tokens move with ``ep.all2all_backend``.
 
     Parameters:
         w13_weight: ``[E_local, 2I, H]`` gate (w1) rows then up (w3) rows.
@@ -105,8 +111,14 @@ class FusedMoE(nn.Module):
         device: torch.device | str | None = None,
         dispatcher: str = "local",
         expert_map: torch.Tensor | None = None,
+        ep: ExpertParallelContext | None = None,
     ) -> None:
         super().__init__()
+        backend_kwargs: dict = {}
+        if ep is not None and ep.size > 1:
+            expert_map = ep.expert_map(num_experts)
+            dispatcher = ep.all2all_backend
+            backend_kwargs = ep.dispatcher_kwargs(top_k, num_experts)
         if expert_map is None:
             expert_map = torch.arange(num_experts, dtype=torch.int64)
         if expert_map.shape != (num_experts,):
@@ -124,7 +136,9 @@ class FusedMoE(nn.Module):
             e_score_correction_bias=e_score_correction_bias,
             routed_scaling_factor=routed_scaling_factor,
         )
-        self.dispatcher: MoEDispatcher = make_dispatcher(dispatcher, expert_map.to(device))
+        self.dispatcher: MoEDispatcher = make_dispatcher(
+            dispatcher, expert_map.to(device), **backend_kwargs
+        )
         self.num_local_experts = self.dispatcher.num_local_experts
         # Host copy for weight loading, which must not sync the device per tensor.
         self._global_to_local: list[int] = expert_map.tolist()
@@ -183,6 +197,10 @@ class FusedMoE(nn.Module):
         shard = _CKPT_PROJ_TO_SHARD[proj]
         return ExpertParamMapping(_SHARD_TO_PARAM[shard], weight_name, int(expert), shard)
 
+    def is_local_expert(self, global_expert_id: int) -> bool:
+        """Whether this rank holds ``global_expert_id`` (the loader skips the others)."""
+        return self._global_to_local[global_expert_id] >= 0
+
     def weight_loader(
         self, param_name: ParamName, loaded: torch.Tensor, global_expert_id: int, shard_id: ShardId
     ) -> bool:
@@ -232,7 +250,7 @@ class FusedMoE(nn.Module):
             hidden_states: ``[T, H]`` in the weights' dtype; expert math stays in it.
             router_logits: ``[T, E]`` gate outputs; routing is done in fp32.
             padding_mask: optional ``[T]`` bool, True for padding rows, which get expert id -1
-                and a zero output.
+                and a zero output; defaults to the forward context's (dummy batches).
 
         Returns:
             ``[T, H]`` in the dtype of ``hidden_states``.
@@ -253,13 +271,20 @@ class FusedMoE(nn.Module):
             e_score_correction_bias=routing.e_score_correction_bias,
             routed_scaling_factor=routing.routed_scaling_factor,
         )
+        ctx = current_forward_context()
+        timer = ctx.step_timer if ctx is not None else None
+        if padding_mask is None and ctx is not None:
+            padding_mask = ctx.attn_metadata.padding_mask
         if padding_mask is not None:
             topk_ids = topk_ids.masked_fill(padding_mask.unsqueeze(-1), SKIP_EXPERT_ID)
 
-        dispatch_handle = self.dispatcher.dispatch_launch(hidden_states, topk_ids, topk_weights)
-        tokens = self.dispatcher.dispatch_wait(dispatch_handle)
-        expert_output = experts_forward(
-            tokens.hidden_states, tokens.expert_ids, self.w13_weight, self.w2_weight
-        )
-        combine_handle = self.dispatcher.combine_launch(expert_output, dispatch_handle)
-        return self.dispatcher.combine_wait(combine_handle)
+        with maybe_phase(timer, "moe_dispatch"):
+            dispatch_handle = self.dispatcher.dispatch_launch(hidden_states, topk_ids, topk_weights)
+            tokens = self.dispatcher.dispatch_wait(dispatch_handle)
+        with maybe_phase(timer, "moe_experts"):
+            expert_output = experts_forward(
+                tokens.hidden_states, tokens.expert_ids, self.w13_weight, self.w2_weight
+            )
+        with maybe_phase(timer, "moe_combine"):
+            combine_handle = self.dispatcher.combine_launch(expert_output, dispatch_handle)
+            return self.dispatcher.combine_wait(combine_handle)

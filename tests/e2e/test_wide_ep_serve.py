@@ -1,0 +1,136 @@
+"""Wide expert parallelism through ``widellm serve`` with the ``openai`` client: two ranks
+with experts split over them, a two-"node" launch (API server with ranks 0-1 plus a
+``--headless`` process with ranks 2-3, meeting over TCP), per-rank metrics, and a rank that
+crashes making the server unhealthy and failing in-flight requests instead of hanging."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.test_api_server import (
+    ENGINE_FLAGS, REQUEST_TIMEOUT_S, STOP_TIMEOUT_S, ServerProcess, _children, _free_port,
+    _metrics,
+)
+from widellm import LLM, SamplingParams
+
+ARCH = "DeepseekV3ForCausalLM"
+NUM_REQUESTS = 16
+MAX_TOKENS = 12
+EP_FLAGS = ["--enable-expert-parallel", "--all2all-backend", "all2all"]
+DEATH_TIMEOUT_S = 15.0
+
+
+def _prompts() -> list[list[int]]:
+    # Token ids of very different lengths (4..154), so ranks finish at different steps.
+    return [[3 + (7 * i + j) % 250 for j in range(4 + 10 * i)] for i in range(NUM_REQUESTS)]
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir) -> list[str]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(model_dir(ARCH), dtype="float32", num_kv_blocks=256) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params,
+                            use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def _concurrent_completions(url: str) -> list[str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                           timeout=REQUEST_TIMEOUT_S)
+
+    def one(prompt: list[int]) -> str:
+        out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                        max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        return out.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
+        return list(pool.map(one, _prompts()))
+
+
+def _rank_samples(server: ServerProcess, name: str) -> dict[str, float]:
+    return {dict(labels)["rank"]: v for (n, labels), v in _metrics(server).items()
+            if n == name and "rank" in dict(labels)}
+
+
+def _engine_core_pids(server: ServerProcess) -> list[int]:
+    return [c for c in _children(server.proc.pid)
+            if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@pytest.fixture(scope="module")
+def dp2_server(model_dir, tmp_path_factory):
+    server = ServerProcess(model_dir(ARCH), tmp_path_factory.mktemp("dp2") / "server.log",
+                           ["--data-parallel-size", "2", *EP_FLAGS])
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_dp2_ep_serve_equals_single_rank(dp2_server, expected):
+    assert _concurrent_completions(dp2_server.url) == expected
+    # Both ranks took requests, report with a rank label, and are idle again.
+    finished = _rank_samples(dp2_server, "widellm:prefix_cache_queries_total")
+    assert sorted(finished) == ["0", "1"] and all(v > 0 for v in finished.values())
+    usage = _rank_samples(dp2_server, "widellm:kv_cache_usage_perc")
+    assert usage == {"0": 0.0, "1": 0.0}
+
+
+def test_two_node_launch_equals_single_rank(model_dir, tmp_path, expected):
+    rpc_port = _free_port()
+    common = ["--data-parallel-size", "4", "--data-parallel-size-local", "2",
+              "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
+              *EP_FLAGS]
+    head = ServerProcess(model_dir(ARCH), tmp_path / "head.log", common)
+    log = open(tmp_path / "headless.log", "wb")
+    headless = subprocess.Popen(
+        [sys.executable, "-m", "widellm.entrypoints.cli", "serve", model_dir(ARCH), "--headless",
+         "--data-parallel-start-rank", "2", *ENGINE_FLAGS, *common],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        head.wait_ready()
+        assert _concurrent_completions(head.url) == expected
+        assert sorted(_rank_samples(head, "widellm:kv_cache_usage_perc")) == ["0", "1", "2", "3"]
+        head.stop()
+        # The head's shutdown reaches the remote ranks; the headless launcher then exits.
+        assert headless.wait(STOP_TIMEOUT_S * 2) == 0
+    finally:
+        head.stop()
+        if headless.poll() is None:
+            os.killpg(headless.pid, signal.SIGKILL)
+            headless.wait(STOP_TIMEOUT_S)
+        log.close()
+
+
+def test_rank_crash_fails_requests_and_health(dp2_server):
+    """Runs last on its server: kills rank 1 while a long request streams."""
+    url = dp2_server.url
+    body = {"prompt": [5] * 8, "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    with httpx.Client(timeout=DEATH_TIMEOUT_S) as http:
+        with http.stream("POST", url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: {")
+            cores = _engine_core_pids(dp2_server)
+            assert len(cores) == 2
+            os.kill(max(cores), signal.SIGKILL)
+            killed = time.monotonic()
+            rest = [line for line in lines if line.startswith("data:")]
+    assert time.monotonic() - killed < DEATH_TIMEOUT_S
+    assert rest[-1] == "data: [DONE]"
+    assert '"error"' in rest[-2] and "engine" in rest[-2]
+    assert httpx.get(url + "/health").status_code == 503

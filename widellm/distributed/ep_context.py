@@ -1,0 +1,66 @@
+"""What an MoE layer needs to shard its routed experts over the expert-parallel group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertParallelContext:
+    """This rank's place in the EP group and how its MoE layers move tokens.
+
+    Attributes:
+        rank, size: this rank and the EP group size.
+        group: the device process group the dispatchers' collectives run on.
+        all2all_backend: registered dispatcher name (``--all2all-backend``).
+        fixed_capacity: rows per rank pair for ``all2all_fixed`` (None: enough for any
+            decode step, see :meth:`dispatcher_kwargs`).
+        max_tokens_per_rank: most tokens one rank puts in a forward
+            (``max_num_batched_tokens``), which bounds the worst case.
+        max_seqs_per_rank: most sequences in one step (``max_num_seqs``): a decode step has
+            at most that many tokens.
+    """
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None
+    all2all_backend: str
+    fixed_capacity: int | None
+    max_tokens_per_rank: int
+    max_seqs_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"EP rank {self.rank} out of range for size {self.size}")
+
+    def expert_map(self, num_experts: int) -> torch.Tensor:
+        """``[num_experts]`` int64: each physical expert's local index here, -1 elsewhere.
+
+        A contiguous split: rank r holds experts ``[r*S, (r+1)*S)``, S = num_experts / size.
+        E.g. 8 experts on 2 ranks, rank 1: ``[-1, -1, -1, -1, 0, 1, 2, 3]``.
+        """
+        if num_experts % self.size:
+            raise ValueError(
+                f"{num_experts} routed experts do not split evenly over {self.size} EP ranks"
+            )
+        per_rank = num_experts // self.size
+        expert_map = torch.full((num_experts,), -1, dtype=torch.int64)
+        start = self.rank * per_rank
+        expert_map[start:start + per_rank] = torch.arange(per_rank)
+        return expert_map
+
+    def dispatcher_kwargs(self, top_k: int, num_experts: int) -> dict:
+        """Keyword arguments of the chosen dispatcher beyond the expert map."""
+        kwargs: dict = {"group": self.group}
+        if self.all2all_backend == "all2all_fixed":
+            # A rank sends a destination at most one row per (token, expert held there). The
+            # default fits any decode step, so decode never spills; a prefill may, and then
+            # takes the checked spill round. Sizing for max_num_batched_tokens instead would
+            # move that many rows every step, whatever the batch.
+            rows_per_token = min(top_k, num_experts // self.size)
+            kwargs["capacity"] = self.fixed_capacity or self.max_seqs_per_rank * rows_per_token
+            kwargs["max_tokens_per_rank"] = self.max_tokens_per_rank
+        return kwargs

@@ -1,0 +1,237 @@
+"""``all2all_fixed``: fixed-capacity all-to-all, static shapes for decode and CUDA graphs.
+
+Each rank sends every other rank (itself included) a block of exactly ``capacity`` packed rows
+(hidden vector, local expert id, gate weight); rows a block does not use carry expert id -1 and
+zeros. One all-to-all with equal splits moves all blocks: no size exchange, every shape fixed
+by ``ep_size`` and ``capacity``. Combine returns ``[ep_size * capacity, H]`` expert outputs the
+same way, and the home rank takes the weighted fp32 sum over each token's k slots.
+
+Overflow (more than ``capacity`` pairs from one rank for one destination) is never dropped:
+
+- *Dynamic check* (the default): dispatch also all-reduces (MAX) the number of pairs that did
+  not fit, and ``dispatch_wait`` reads it: one scalar all-reduce and one host sync per layer.
+  The value is the same on every rank, so all ranks agree: if it is non-zero, every rank runs a
+  spill round for the pairs that did not fit through the variable-split path of ``all2all``
+  (count exchange, rows' all-to-all; its outputs come back the same way in combine). The spill
+  rows follow the fixed ones in the ``DispatchedTokens``.
+- *Static guarantee*: when ``max_tokens_per_rank`` is given and
+  ``capacity >= max_tokens_per_rank * min(top_k, S)``, no destination can get more pairs than
+  fit (a token's k experts are distinct, so at most ``min(k, S)`` of them live on one rank),
+  so the check, its all-reduce and its host sync are skipped: dispatch and combine are one
+  all-to-all each, what a CUDA graph can capture. A batch of more than ``max_tokens_per_rank``
+  tokens raises ValueError, and repeated experts within a token (a broken router) trip a
+  device-side assert instead of being dropped.
+
+The contract shared by all expert-parallel backends is in :mod:`widellm.layers.moe.dispatch_ep`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from widellm.layers.moe.dispatch import CombineHandle, DispatchedTokens, DispatchHandle
+from widellm.layers.moe.dispatch_ep import (
+    DestinationOrder,
+    ExpertParallelDispatcher,
+    RowCodec,
+    VariableExchange,
+    dispatched_view,
+    exchange_rows,
+    gather_weighted_sum,
+    return_rows,
+    sort_by_destination,
+)
+
+
+@dataclass
+class _FixedDispatchHandle(DispatchHandle):
+    work: dist.Work
+    codec: RowCodec
+    # [ep_size * capacity, row_bytes] packed rows received, `capacity` per source rank.
+    recv: torch.Tensor
+    # [T*k] row of the fixed buffer each (token, slot) pair travels in; ep_size * capacity
+    # (a zero row in the combine) for padding and for pairs that did not fit.
+    pair_rows: torch.Tensor
+    routing: DestinationOrder
+    hidden_states: torch.Tensor
+    topk_ids: torch.Tensor
+    # [T, k] fp32 gate weights, 0 on padding.
+    weights: torch.Tensor
+    # Dynamic check only: [1] int64 max over ranks of pairs that did not fit, and its work.
+    overflow: torch.Tensor | None
+    overflow_work: dist.Work | None
+    # Set by dispatch_wait when some rank overflowed.
+    spill: VariableExchange | None = None
+
+
+@dataclass
+class _FixedCombineHandle(CombineHandle):
+    work: dist.Work
+    # [ep_size * capacity + 1, H] outputs of the rows this rank sent; the last row stays zero.
+    back: torch.Tensor
+    spill_work: dist.Work | None
+    # [n_spilled + 1, H] outputs of the spilled pairs, in spill order, then a zero row.
+    spill_back: torch.Tensor | None
+    dispatch: _FixedDispatchHandle
+
+
+class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
+    """Fixed-capacity all-to-all dispatch and combine.
+
+    Args:
+        expert_map: ``[E_phys]`` int64, contiguous by rank (see :mod:`.dispatch_ep`).
+        group: the expert-parallel process group.
+        capacity: rows per (source, destination) block.
+        max_tokens_per_rank: the most tokens any rank passes to ``dispatch_launch``, if known;
+            with a large enough ``capacity`` it turns the overflow check off (module docstring).
+    """
+
+    def __init__(
+        self,
+        expert_map: torch.Tensor,
+        *,
+        group: dist.ProcessGroup,
+        capacity: int,
+        max_tokens_per_rank: int | None = None,
+    ) -> None:
+        super().__init__(expert_map, group=group)
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        if max_tokens_per_rank is not None and max_tokens_per_rank < 0:
+            raise ValueError(f"max_tokens_per_rank must be >= 0, got {max_tokens_per_rank}")
+        self.capacity = capacity
+        self.max_tokens_per_rank = max_tokens_per_rank
+
+    def overflow_impossible(self, top_k: int) -> bool:
+        """Whether ``capacity`` covers the worst case for ``top_k``, so the check is skipped.
+
+        Host arithmetic on constructor arguments and the batch's ``top_k``, identical on every
+        rank, so all ranks make the same choice of collectives.
+        """
+        if self.max_tokens_per_rank is None:
+            return False
+        return self.capacity >= self.max_tokens_per_rank * min(top_k, self.experts_per_rank)
+
+    def dispatch_launch(
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchHandle:
+        num_tokens, top_k = topk_ids.shape
+        static = self.overflow_impossible(top_k)
+        if static and num_tokens > self.max_tokens_per_rank:
+            raise ValueError(f"{num_tokens} tokens > max_tokens_per_rank={self.max_tokens_per_rank}")
+        ep_size, capacity = self.ep_size, self.capacity
+        num_rows = ep_size * capacity
+        weights = self.masked_weights(topk_ids, topk_weights)
+        routing = sort_by_destination(topk_ids, self.experts_per_rank, ep_size)
+
+        num_pairs = num_tokens * top_k
+        device = hidden_states.device
+        fits = (routing.dest < ep_size) & (routing.rank_in_dest < capacity)
+        # Buffer row of each sorted pair; padding and pairs that did not fit go to a scratch
+        # row past the end, never sent.
+        rows = torch.where(fits, routing.dest * capacity + routing.rank_in_dest, num_rows)
+        pair_rows = torch.empty_like(rows)
+        pair_rows[routing.order] = rows
+        # The pair that fills each buffer row, or num_pairs (an empty pair: zeros, id -1) for
+        # unused rows; gathering from inputs extended by that empty entry fills each field of
+        # the buffer in one pass, with no zero-fill and no [T*k, H] temporary.
+        row_pairs = torch.full((num_rows + 1,), num_pairs, dtype=torch.int64, device=device)
+        row_pairs.index_copy_(0, rows, routing.order)
+        row_pairs = row_pairs[:num_rows]
+        hidden_ext = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[-1])])
+        ids_ext = torch.cat([topk_ids.reshape(-1) % self.experts_per_rank, rows.new_full((1,), -1)])
+        weights_ext = torch.cat([weights.reshape(-1), weights.new_zeros(1)])
+        codec = RowCodec(hidden_states.shape[-1], hidden_states.dtype)
+        send = codec.empty(num_rows, device)
+        torch.index_select(hidden_ext, 0, row_pairs // top_k, out=codec.hidden(send))
+        codec.ids(send)[:, 0] = ids_ext[row_pairs]
+        codec.weights(send)[:, 0] = weights_ext[row_pairs]
+
+        not_fitting = (routing.counts - capacity).clamp(min=0).sum().reshape(1)
+        overflow = overflow_work = None
+        if static:
+            # A device-side check, no host sync: only a token repeating an expert gets here.
+            torch._assert_async(
+                not_fitting[0] == 0, "all2all_fixed: overflow despite the static capacity bound"
+            )
+        else:
+            overflow = not_fitting
+            overflow_work = dist.all_reduce(
+                overflow, op=dist.ReduceOp.MAX, group=self.group, async_op=True
+            )
+        recv = codec.empty(num_rows, device)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        return _FixedDispatchHandle(
+            work=work, codec=codec, recv=recv, pair_rows=pair_rows, routing=routing,
+            hidden_states=hidden_states, topk_ids=topk_ids, weights=weights,
+            overflow=overflow, overflow_work=overflow_work,
+        )
+
+    def dispatch_wait(self, handle: DispatchHandle) -> DispatchedTokens:
+        assert isinstance(handle, _FixedDispatchHandle)
+        handle.work.wait()
+        hidden, expert_ids, weights = dispatched_view(handle.codec, handle.recv)
+        if handle.overflow_work is not None:
+            handle.overflow_work.wait()
+            # The host sync of the dynamic check; the value is the same on every rank.
+            if int(handle.overflow) > 0:
+                spill = self._spill(handle)
+                spill_hidden, spill_ids, spill_weights = dispatched_view(handle.codec, spill.recv)
+                hidden = torch.cat([hidden, spill_hidden])
+                expert_ids = torch.cat([expert_ids, spill_ids])
+                weights = torch.cat([weights, spill_weights])
+        return DispatchedTokens(hidden_states=hidden, expert_ids=expert_ids, topk_weights=weights)
+
+    def _spill(self, handle: _FixedDispatchHandle) -> VariableExchange:
+        """Send the pairs that did not fit through the variable-split path; every rank calls
+        this (possibly with nothing to send) once any rank overflowed."""
+        routing = handle.routing
+        left = (routing.dest < self.ep_size) & (routing.rank_in_dest >= self.capacity)
+        spill = exchange_rows(
+            handle.codec, handle.hidden_states, handle.topk_ids, handle.weights,
+            positions=routing.order[left],
+            send_counts=(routing.counts - self.capacity).clamp(min=0),
+            experts_per_rank=self.experts_per_rank,
+            group=self.group,
+        )
+        spill.work.wait()
+        handle.spill = spill
+        return spill
+
+    def combine_launch(self, expert_output: torch.Tensor, handle: DispatchHandle) -> CombineHandle:
+        assert isinstance(handle, _FixedDispatchHandle)
+        num_rows = self.ep_size * self.capacity
+        back = expert_output.new_empty(num_rows + 1, expert_output.shape[-1])
+        back[num_rows].zero_()
+        work = dist.all_to_all_single(
+            back[:num_rows], expert_output[:num_rows].contiguous(), group=self.group, async_op=True
+        )
+        spill_back = spill_work = None
+        if handle.spill is not None:
+            spill_back, spill_work = return_rows(expert_output[num_rows:], handle.spill, self.group)
+        return _FixedCombineHandle(
+            work=work, back=back, spill_work=spill_work, spill_back=spill_back, dispatch=handle
+        )
+
+    def combine_wait(self, handle: CombineHandle) -> torch.Tensor:
+        assert isinstance(handle, _FixedCombineHandle)
+        handle.work.wait()
+        dispatch = handle.dispatch
+        weights = dispatch.weights
+        num_tokens, top_k = weights.shape
+        rows, pair_rows = handle.back, dispatch.pair_rows
+        if handle.spill_work is not None:
+            handle.spill_work.wait()
+            # Spilled pairs read their rows after the fixed ones; the zero row moves last.
+            num_rows = self.ep_size * self.capacity
+            num_spilled = handle.spill_back.shape[0] - 1
+            rows = torch.cat([handle.back[:num_rows], handle.spill_back])
+            pair_rows = pair_rows.masked_fill(pair_rows == num_rows, num_rows + num_spilled)
+            pair_rows[dispatch.spill.positions] = torch.arange(
+                num_rows, num_rows + num_spilled, device=pair_rows.device
+            )
+        out = gather_weighted_sum(rows, pair_rows.view(num_tokens, top_k), weights)
+        return out.to(dispatch.hidden_states.dtype)

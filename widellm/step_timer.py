@@ -1,0 +1,63 @@
+"""Wall time per phase of the engine step, summed over steps, for the step-time breakdown
+that ``bench throughput`` reports (``--collect-step-breakdown``).
+
+Phases (seconds, summed over the steps of one rank):
+    schedule        scheduler.schedule + update_from_output
+    forward         the model forward of real batches (attention, dense layers, MoE...)
+    moe_dispatch    inside forward: MoE dispatch launch + wait (communication)
+    moe_experts     inside forward: the routed experts' grouped GEMMs
+    moe_combine     inside forward: MoE combine launch + wait (communication)
+    sample          logits, sampling, logprobs
+    dummy           forward of dummy batches (a rank with no work, in lockstep)
+    lockstep_sync   the per-step all-reduce that keeps ranks in lockstep (waiting for peers)
+
+Timing is host wall time: exact on CPU; on GPU a phase only measures launch time unless the
+device is synchronised, which the timer does when ``synchronize`` is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+
+
+class StepTimer:
+    def __init__(self, synchronize: bool = False) -> None:
+        self.totals: defaultdict[str, float] = defaultdict(float)
+        self._sync = synchronize and torch.cuda.is_available()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self._sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync:
+                torch.cuda.synchronize()
+            self.totals[name] += time.perf_counter() - start
+
+
+def maybe_phase(timer: StepTimer | None, name: str) -> contextlib.AbstractContextManager:
+    """``timer.phase(name)``, or a no-op when timing is off (the common case)."""
+    return timer.phase(name) if timer is not None else contextlib.nullcontext()
+
+
+def summarize(totals: dict[str, float]) -> dict[str, float]:
+    """The breakdown in the issue's terms: attention and dense layers, routed experts,
+    communication, idle (dummy batches + lockstep waits), sampling and scheduling."""
+    moe = totals.get("moe_dispatch", 0.0) + totals.get("moe_combine", 0.0)
+    experts = totals.get("moe_experts", 0.0)
+    return {
+        "attention_and_dense_s": totals.get("forward", 0.0) - moe - experts,
+        "experts_s": experts,
+        "communication_s": moe,
+        "idle_s": totals.get("dummy", 0.0) + totals.get("lockstep_sync", 0.0),
+        "sample_s": totals.get("sample", 0.0),
+        "schedule_s": totals.get("schedule", 0.0),
+    }
