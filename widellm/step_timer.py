@@ -10,6 +10,7 @@ Phases (seconds, summed over the steps of one rank):
     sample          logits, sampling, logprobs
     dummy           forward of dummy batches (a rank with no work, in lockstep)
     lockstep_sync   the per-step all-reduce that keeps ranks in lockstep (waiting for peers)
+    eplb            EPLB bookkeeping before a forward: load all-reduces, planning, weight moves
 
 Timing is host wall time: exact on CPU; on GPU a phase only measures launch time unless the
 device is synchronised, which the timer does when ``synchronize`` is set.
@@ -60,4 +61,5 @@ def summarize(totals: dict[str, float]) -> dict[str, float]:
         "idle_s": totals.get("dummy", 0.0) + totals.get("lockstep_sync", 0.0),
         "sample_s": totals.get("sample", 0.0),
         "schedule_s": totals.get("schedule", 0.0),
+        "eplb_s": totals.get("eplb", 0.0),
     }

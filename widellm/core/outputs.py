@@ -47,3 +47,21 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class EplbStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Expert-load balance of an EP deployment as one rank measured it (all ranks agree).
+
+    Balancedness = mean over max of the tokens each EP rank's experts computed, per MoE
+    layer, averaged over layers (1.0 = perfectly even), over the last measurement window.
+    """
+
+    balancedness: float = 0.0  # latest measured window
+    initial_balancedness: float = 0.0  # first measured window (before any rebalance)
+    num_measurements: int = 0
+    num_rebalances: int = 0  # placements fully applied
+    num_failed_rebalances: int = 0  # abandoned part-way; the old placement stayed in force
+    max_stall_s: float = 0.0  # longest step delay caused by moving one layer's weights
+    last_planned_balancedness: float = 0.0  # what the last plan expected on its window
+    # (step, balancedness, rebalances applied by then) of the most recent measurements.
+    history: list[tuple[int, float, int]] = []

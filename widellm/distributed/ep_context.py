@@ -22,6 +22,9 @@ class ExpertParallelContext:
             (``max_num_batched_tokens``), which bounds the worst case.
         max_seqs_per_rank: most sequences in one step (``max_num_seqs``): a decode step has
             at most that many tokens.
+        num_redundant_experts: physical expert slots beyond the logical experts (EPLB
+            replicas); physical slots are split contiguously over the ranks.
+        enable_eplb: route through replicas and record expert load (EPLB).
     """
 
     rank: int
@@ -31,23 +34,32 @@ class ExpertParallelContext:
     fixed_capacity: int | None
     max_tokens_per_rank: int
     max_seqs_per_rank: int = 1
+    num_redundant_experts: int = 0
+    enable_eplb: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"EP rank {self.rank} out of range for size {self.size}")
 
-    def expert_map(self, num_experts: int) -> torch.Tensor:
-        """``[num_experts]`` int64: each physical expert's local index here, -1 elsewhere.
+    def num_physical(self, num_experts: int) -> int:
+        """Physical expert slots of a layer with ``num_experts`` logical experts."""
+        return num_experts + self.num_redundant_experts
 
-        A contiguous split: rank r holds experts ``[r*S, (r+1)*S)``, S = num_experts / size.
-        E.g. 8 experts on 2 ranks, rank 1: ``[-1, -1, -1, -1, 0, 1, 2, 3]``.
+    def expert_map(self, num_experts: int) -> torch.Tensor:
+        """``[P]`` int64: each physical slot's local index here, -1 elsewhere
+        (``P = num_experts + num_redundant_experts``).
+
+        A contiguous split: rank r holds slots ``[r*S, (r+1)*S)``, S = P / size.
+        E.g. 8 slots on 2 ranks, rank 1: ``[-1, -1, -1, -1, 0, 1, 2, 3]``.
         """
-        if num_experts % self.size:
+        num_physical = self.num_physical(num_experts)
+        if num_physical % self.size:
             raise ValueError(
-                f"{num_experts} routed experts do not split evenly over {self.size} EP ranks"
+                f"{num_experts} routed experts + {self.num_redundant_experts} redundant slots "
+                f"do not split evenly over {self.size} EP ranks"
             )
-        per_rank = num_experts // self.size
-        expert_map = torch.full((num_experts,), -1, dtype=torch.int64)
+        per_rank = num_physical // self.size
+        expert_map = torch.full((num_physical,), -1, dtype=torch.int64)
         start = self.rank * per_rank
         expert_map[start:start + per_rank] = torch.arange(per_rank)
         return expert_map
@@ -60,7 +72,7 @@ class ExpertParallelContext:
             # default fits any decode step, so decode never spills; a prefill may, and then
             # takes the checked spill round. Sizing for max_num_batched_tokens instead would
             # move that many rows every step, whatever the batch.
-            rows_per_token = min(top_k, num_experts // self.size)
+            rows_per_token = min(top_k, self.num_physical(num_experts) // self.size)
             kwargs["capacity"] = self.fixed_capacity or self.max_seqs_per_rank * rows_per_token
             kwargs["max_tokens_per_rank"] = self.max_tokens_per_rank
         return kwargs

@@ -112,6 +112,8 @@ class AsyncLLM:
                         f"engine core {batch.dp_rank} failed: {batch.engine_error}")
                 if batch.scheduler_stats is not None:
                     self.metrics.record_scheduler_stats(batch.scheduler_stats, batch.dp_rank)
+                if batch.eplb_stats is not None:
+                    self.metrics.record_eplb(batch.eplb_stats)
                 outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
                 self._record(outputs)
                 for out in outputs:

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from widellm.config import EngineConfig
+from widellm.core.outputs import EplbStats
 from widellm.core.scheduler import SchedulerStats
 from widellm.distributed.load_balancer import DPLoadBalancer
 from widellm.engine.core_proc import (
@@ -109,6 +110,7 @@ class EngineCoreClient:
         # Each rank's latest step-time totals (with --collect-step-breakdown).
         self.last_breakdown: dict[int, dict[str, float]] = {}
         self.peak_rss_bytes: dict[int, int] = {}
+        self.eplb_stats: dict[int, EplbStats] = {}
         try:
             self.num_kv_blocks = self._handshake(pc.data_parallel_address)
         except BaseException:
@@ -209,6 +211,8 @@ class EngineCoreClient:
             if out.finished and self._req_rank.pop(out.request_id, None) is not None:
                 self.balancer.request_finished(batch.dp_rank)
         self.peak_rss_bytes[batch.dp_rank] = batch.peak_rss_bytes
+        if batch.eplb_stats is not None:
+            self.eplb_stats[batch.dp_rank] = batch.eplb_stats
         if batch.step_breakdown is not None:
             self.last_breakdown[batch.dp_rank] = batch.step_breakdown
         stats = batch.scheduler_stats

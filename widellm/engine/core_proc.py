@@ -35,7 +35,7 @@ import torch
 import zmq
 
 from widellm.config import EngineConfig
-from widellm.core.outputs import EngineCoreOutput
+from widellm.core.outputs import EngineCoreOutput, EplbStats
 from widellm.core.scheduler import SchedulerStats
 from widellm.distributed.groups import DPGroups, destroy_dp_groups, init_dp_groups
 from widellm.distributed.lockstep import DPLockstep
@@ -68,6 +68,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # Seconds per step phase summed since start (with --collect-step-breakdown).
     step_breakdown: dict[str, float] | None = None
     peak_rss_bytes: int = 0  # of this rank's process
+    eplb_stats: EplbStats | None = None
 
 
 class HandshakeReply(msgspec.Struct, array_like=True):
@@ -109,6 +110,10 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int) -> 
     try:
         if torch.cuda.is_available():
             torch.cuda.set_device((dp_rank - pc.data_parallel_start_rank) % torch.cuda.device_count())
+        elif pc.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+            # Ranks on one machine share its cores; more threads than cores make every
+            # rank's GEMMs and the lockstep collectives wait on the OS scheduler.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.local_size))
         if pc.needs_lockstep:
             groups = init_dp_groups(dp_rank, pc.data_parallel_size, reply.store_host,
                                     reply.store_port, pc.distributed_timeout_s)
@@ -208,9 +213,11 @@ class _CoreLoop:
 
     def _send(self, outputs: list[EngineCoreOutput]) -> None:
         timer = self.core.step_timer
+        eplb = self.core.model_runner.eplb
         self.out.send(self.encoder.encode(EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.core.scheduler.make_stats(),
             timestamp=time.time(), dp_rank=self.dp_rank,
             step_breakdown=dict(timer.totals) if timer is not None else None,
             peak_rss_bytes=peak_rss_bytes(),
+            eplb_stats=eplb.stats if eplb is not None else None,
         )))

@@ -60,6 +60,8 @@ class EngineCore:
                 all2all_backend=pc.all2all_backend, fixed_capacity=pc.all2all_fixed_capacity,
                 max_tokens_per_rank=config.scheduler_config.max_num_batched_tokens,
                 max_seqs_per_rank=config.scheduler_config.max_num_seqs,
+                num_redundant_experts=config.eplb_config.num_redundant_experts,
+                enable_eplb=config.eplb_config.enable_eplb,
             )
         self.step_timer = (StepTimer(synchronize=True)
                            if config.observability_config.collect_step_breakdown else None)

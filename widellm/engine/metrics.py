@@ -9,6 +9,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from widellm.core.outputs import EplbStats
 from widellm.core.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,17 @@ class EngineMetrics:
         self.e2e_request_latency = Histogram(
             "widellm:e2e_request_latency_seconds", "Arrival to finish", labels,
             buckets=E2E_BUCKETS, registry=r)
+        # EPLB (all ranks measure the same global numbers; any rank's report sets them).
+        self.eplb_balancedness = Gauge(
+            "widellm:eplb_balancedness", "Mean over max of tokens per EP rank, per MoE layer, "
+            "averaged over layers, over the last measurement window (1 = even)", labels,
+            registry=r)
+        self.eplb_num_rebalances = Gauge(
+            "widellm:eplb_num_rebalances", "Expert placements applied since start", labels,
+            registry=r)
+        self.eplb_max_stall_seconds = Gauge(
+            "widellm:eplb_max_stall_seconds", "Longest step delay caused by moving one layer's "
+            "expert weights", labels, registry=r)
         self._labels = {"model_name": model_name}
         # Latest stats of each rank; the core reports running totals.
         self._last_core: dict[int, SchedulerStats] = {}
@@ -91,6 +103,12 @@ class EngineMetrics:
         self.prefix_cache_hits.labels(**lb).inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.labels(**lb).inc(stats.num_preemptions - last.num_preemptions)
         self._last_core[rank] = stats
+
+    def record_eplb(self, stats: EplbStats) -> None:
+        if stats.num_measurements:
+            self.eplb_balancedness.labels(**self._labels).set(stats.balancedness)
+        self.eplb_num_rebalances.labels(**self._labels).set(stats.num_rebalances)
+        self.eplb_max_stall_seconds.labels(**self._labels).set(stats.max_stall_s)
 
     def record_tokens(self, num_new_tokens: int, itl_s: float | None) -> None:
         self.generation_tokens.labels(**self._labels).inc(num_new_tokens)

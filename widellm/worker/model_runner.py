@@ -17,9 +17,11 @@ from widellm.core.scheduler_output import SchedulerOutput
 from widellm.forward_context import set_forward_context
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.attention_metadata import build_attention_metadata, dummy_attention_metadata
+from widellm.layers.moe.layer import FusedMoE
 from widellm.model.loader import build_model
 from widellm.step_timer import StepTimer, maybe_phase
 from widellm.worker.cpu_allocator import keep_freed_memory
+from widellm.worker.eplb_controller import EplbController
 from widellm.worker.input_batch import BatchInputs, CachedRequestState, build_batch_inputs
 from widellm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from widellm.worker.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
@@ -45,6 +47,13 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.step_timer = step_timer
+        self.eplb: EplbController | None = None
+        if ep is not None and ep.enable_eplb:
+            pc = config.parallel_config
+            num_nodes = max(1, pc.data_parallel_size // pc.local_size)
+            moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+            self.eplb = EplbController(moe_layers, config.eplb_config, ep.rank, ep.size,
+                                       num_nodes, ep.group)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks)
@@ -66,6 +75,7 @@ class ModelRunner:
             self.block_size,
         )
         timer = self.step_timer
+        self._before_forward()
         with maybe_phase(timer, "forward"), set_forward_context(md, timer):
             hidden = self.model(batch.input_ids, torch.from_numpy(batch.positions))
         with maybe_phase(timer, "sample"):
@@ -102,9 +112,16 @@ class ModelRunner:
     def execute_dummy_batch(self) -> None:
         """One padding token through the model, touching no request and no KV slot: what a
         rank without work runs so the other ranks' expert-parallel collectives complete."""
+        self._before_forward()
         # Not timed inside: its MoE communication is idle time, not this rank's own traffic.
         with maybe_phase(self.step_timer, "dummy"), set_forward_context(dummy_attention_metadata()):
             self.model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+
+    def _before_forward(self) -> None:
+        """Per-forward work every EP rank does at the same step (EPLB weight moves)."""
+        if self.eplb is not None:
+            with maybe_phase(self.step_timer, "eplb"):
+                self.eplb.before_forward()
 
     # ---- helpers ---------------------------------------------------------------------------
 

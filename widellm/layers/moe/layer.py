@@ -10,18 +10,23 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import nn
 
 from widellm.distributed.ep_context import ExpertParallelContext
+from widellm.eplb.placement import ExpertPlacement
+from widellm.eplb.routing import logical_to_physical_ids
 from widellm.forward_context import current_forward_context
 from widellm.layers.moe.dispatch import SKIP_EXPERT_ID, MoEDispatcher
 from widellm.layers.moe.experts import experts_forward
 from widellm.layers.moe.registry import make_dispatcher
 from widellm.layers.moe.router import GroupScore, ScoringFunc, select_experts
 from widellm.step_timer import maybe_phase
+
+if TYPE_CHECKING:
+    from widellm.eplb.stats import ExpertLoadRecorder
 
 ParamName = Literal["w13_weight", "w2_weight"]
 ShardId = Literal["w1", "w3", "w2"]
@@ -115,14 +120,22 @@ class FusedMoE(nn.Module):
     ) -> None:
         super().__init__()
         backend_kwargs: dict = {}
+        num_physical = num_experts
+        # EPLB: the router's logical experts map onto physical slots (replicas of hot ones).
+        self.placement: ExpertPlacement | None = None
+        self._ep_rank = 0
         if ep is not None and ep.size > 1:
+            num_physical = ep.num_physical(num_experts)
             expert_map = ep.expert_map(num_experts)
             dispatcher = ep.all2all_backend
             backend_kwargs = ep.dispatcher_kwargs(top_k, num_experts)
+            self._ep_rank = ep.rank
+            if ep.enable_eplb:
+                self.placement = ExpertPlacement.initial(num_experts, num_physical, device)
         if expert_map is None:
             expert_map = torch.arange(num_experts, dtype=torch.int64)
-        if expert_map.shape != (num_experts,):
-            raise ValueError(f"expert_map must have shape ({num_experts},), got {tuple(expert_map.shape)}")
+        if expert_map.shape != (num_physical,):
+            raise ValueError(f"expert_map must have shape ({num_physical},), got {tuple(expert_map.shape)}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
@@ -140,8 +153,17 @@ class FusedMoE(nn.Module):
             dispatcher, expert_map.to(device), **backend_kwargs
         )
         self.num_local_experts = self.dispatcher.num_local_experts
-        # Host copy for weight loading, which must not sync the device per tensor.
-        self._global_to_local: list[int] = expert_map.tolist()
+        # Host copy for weight loading, which must not sync the device per tensor: the local
+        # slots each logical expert loads into (several with replicas, none when remote).
+        phys_to_logical = (self.placement.phys_to_logical.tolist() if self.placement is not None
+                           else list(range(num_physical)))
+        self._logical_to_local: list[list[int]] = [[] for _ in range(num_experts)]
+        for phys, local in enumerate(expert_map.tolist()):
+            if local >= 0:
+                self._logical_to_local[phys_to_logical[phys]].append(local)
+        # Set by attach_load_recorder when EPLB measures expert load.
+        self._load_recorder: ExpertLoadRecorder | None = None
+        self._moe_layer_index = -1
 
         factory = {"dtype": dtype, "device": device}
         self.w13_weight = nn.Parameter(
@@ -199,7 +221,15 @@ class FusedMoE(nn.Module):
 
     def is_local_expert(self, global_expert_id: int) -> bool:
         """Whether this rank holds ``global_expert_id`` (the loader skips the others)."""
-        return self._global_to_local[global_expert_id] >= 0
+        return bool(self._logical_to_local[global_expert_id])
+
+    def attach_load_recorder(self, recorder: ExpertLoadRecorder, moe_layer_index: int) -> None:
+        """Count the tokens routed to each physical expert into ``recorder``'s row for this
+        layer (EPLB)."""
+        if self.placement is None:
+            raise ValueError("expert load is recorded only with EPLB placement")
+        self._load_recorder = recorder
+        self._moe_layer_index = moe_layer_index
 
     def weight_loader(
         self, param_name: ParamName, loaded: torch.Tensor, global_expert_id: int, shard_id: ShardId
@@ -219,23 +249,22 @@ class FusedMoE(nn.Module):
             raise ValueError(f"shard {shard_id!r} does not belong to {param_name!r}")
         if not 0 <= global_expert_id < self.num_experts:
             raise ValueError(f"expert {global_expert_id} out of range [0, {self.num_experts})")
-        local_id = self._global_to_local[global_expert_id]
-        if local_id < 0:
-            return False
+        local_slots = self._logical_to_local[global_expert_id]
         inter = self.intermediate_size
-        if shard_id == "w2":
-            dst = self.w2_weight.data[local_id]
-        elif shard_id == "w1":
-            dst = self.w13_weight.data[local_id, :inter]
-        else:
-            dst = self.w13_weight.data[local_id, inter:]
-        if loaded.shape != dst.shape:
-            raise ValueError(
-                f"expert {global_expert_id} {shard_id}: checkpoint shape {tuple(loaded.shape)}, "
-                f"expected {tuple(dst.shape)}"
-            )
-        dst.copy_(loaded)
-        return True
+        for local_id in local_slots:  # every replica of the expert held here
+            if shard_id == "w2":
+                dst = self.w2_weight.data[local_id]
+            elif shard_id == "w1":
+                dst = self.w13_weight.data[local_id, :inter]
+            else:
+                dst = self.w13_weight.data[local_id, inter:]
+            if loaded.shape != dst.shape:
+                raise ValueError(
+                    f"expert {global_expert_id} {shard_id}: checkpoint shape "
+                    f"{tuple(loaded.shape)}, expected {tuple(dst.shape)}"
+                )
+            dst.copy_(loaded)
+        return bool(local_slots)
 
     def forward(
         self,
@@ -277,6 +306,15 @@ class FusedMoE(nn.Module):
             padding_mask = ctx.attn_metadata.padding_mask
         if padding_mask is not None:
             topk_ids = topk_ids.masked_fill(padding_mask.unsqueeze(-1), SKIP_EXPERT_ID)
+        if self.placement is not None:
+            # Logical -> one of its replicas; each rank starts its round-robin elsewhere so
+            # small batches do not all land on replica 0.
+            topk_ids = logical_to_physical_ids(
+                topk_ids, self.placement.logical_to_phys,
+                self.placement.logical_replica_count, offset=self._ep_rank,
+            )
+            if self._load_recorder is not None:
+                self._load_recorder.record(self._moe_layer_index, topk_ids)
 
         with maybe_phase(timer, "moe_dispatch"):
             dispatch_handle = self.dispatcher.dispatch_launch(hidden_states, topk_ids, topk_weights)
