@@ -191,32 +191,29 @@ def _slot_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], -1).view(torch.uint8)
 
 
-def move_layer_weights(
-    weights: Sequence[torch.Tensor],
-    plan: LayerMovePlan,
-    rank: int,
-    group: dist.ProcessGroup | None = None,
-) -> list[torch.Tensor]:
-    """Build this rank's weights for the new placement of one layer (collective).
+@dataclass
+class PreparedMove:
+    """Everything one rank needs for a layer's exchange, allocated before any collective."""
 
-    Every rank of ``group`` must call this for the same layer and plan at the same time, unless
-    ``plan.has_remote_traffic`` is false: then no rank communicates.
+    outs: list[torch.Tensor]  # the new weights, local copies applied, receives pending
+    send_buf: torch.Tensor | None  # [sent rows, row bytes] uint8; None without remote traffic
+    recv_buf: torch.Tensor | None  # [received rows, row bytes] uint8
+    row_bytes: list[int]
 
-    All tensors' slot rows are sent as raw bytes in one ``all_to_all_single`` (uint8), so
-    tensors of different dtypes (bf16, fp8, fp32 scales, ...) share a single collective and
-    any backend that moves bytes works (gloo on CPU, NCCL on GPU).
+
+def prepare_layer_move(
+    weights: Sequence[torch.Tensor], plan: LayerMovePlan, rank: int
+) -> PreparedMove:
+    """The local half of a move: validate, allocate the new weights and the send/receive
+    buffers, apply local copies. It may fail (bad input, out of memory) on one rank only;
+    callers agree on success across ranks before :func:`exchange_layer_move`, so a failure
+    here never leaves a peer waiting inside a collective.
 
     Args:
         weights: this rank's tensors, each ``[S, ...]`` (``S = plan.slots_per_rank``), all on
             one device; e.g. ``(w13_weight [S, 2I, H], w2_weight [S, H, I])``. Only read.
         plan: from :func:`plan_layer_moves`, the same on every rank.
-        rank: this rank's index in ``group`` (the plan's rank numbering).
-        group: the EP process group (``None``: the default group); its size must be
-            ``plan.num_ranks``.
-
-    Returns:
-        New contiguous tensors, one per input, same shapes and dtypes, holding the new
-        placement's experts in this rank's slots.
+        rank: this rank's index in the plan's rank numbering.
     """
     if not weights:
         raise ValueError("weights is empty")
@@ -232,16 +229,42 @@ def move_layer_weights(
 
     # A fresh contiguous copy keeps the unchanged slots and never aliases the input.
     outs = [w.clone(memory_format=torch.contiguous_format) for w in weights]
-
-    def index(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
     if plan.local_copies[rank]:
-        src = index([s for s, _ in plan.local_copies[rank]])
-        dst = index([d for _, d in plan.local_copies[rank]])
+        src = _index([s for s, _ in plan.local_copies[rank]], device)
+        dst = _index([d for _, d in plan.local_copies[rank]], device)
         for w, out in zip(weights, outs):
             out.index_copy_(0, dst, w.index_select(0, src))
+    row_bytes = [_slot_bytes(out).shape[1] for out in outs]
+    send_buf = recv_buf = None
+    if plan.has_remote_traffic:
+        # Rows: one per moved slot, every tensor's slot bytes side by side.
+        total = sum(row_bytes)
+        sends, recvs = plan.sends[rank], plan.recvs[rank]
+        if sends:
+            src = _index([s for s, _, _ in sends], device)
+            # From the inputs: outs may already hold local copies over a sent slot.
+            send_buf = torch.cat([_slot_bytes(w.index_select(0, src)) for w in weights], dim=1)
+        else:
+            send_buf = torch.empty(0, total, dtype=torch.uint8, device=device)
+        recv_buf = torch.empty(len(recvs), total, dtype=torch.uint8, device=device)
+    return PreparedMove(outs, send_buf, recv_buf, row_bytes)
 
+
+def exchange_layer_move(
+    prepared: PreparedMove, plan: LayerMovePlan, rank: int,
+    group: dist.ProcessGroup | None = None,
+) -> list[torch.Tensor]:
+    """The collective half: one ``all_to_all_single`` of raw slot bytes (every rank of
+    ``group`` calls it for the same layer, unless ``plan.has_remote_traffic`` is false, when
+    none communicates), then the receives and the copies between new replicas. Returns the
+    new weights.
+
+    All tensors' slot rows travel as raw bytes in one uint8 collective, so tensors of
+    different dtypes (bf16, fp8, fp32 scales, ...) share it and any backend that moves bytes
+    works (gloo on CPU, NCCL on GPU).
+    """
+    outs = prepared.outs
+    device = outs[0].device
     if plan.has_remote_traffic:
         if group is None and not dist.is_initialized():
             raise RuntimeError("the plan moves weights across ranks but no process group is set up")
@@ -250,30 +273,42 @@ def move_layer_weights(
                 f"group has rank {dist.get_rank(group)} of {dist.get_world_size(group)}, "
                 f"the call says rank {rank} of {plan.num_ranks}"
             )
-        # Rows: one per moved slot, every tensor's slot bytes side by side.
-        row_bytes = [_slot_bytes(out).shape[1] for out in outs]
-        total = sum(row_bytes)
-        sends, recvs = plan.sends[rank], plan.recvs[rank]
-        if sends:
-            src = index([s for s, _, _ in sends])
-            # From the inputs: outs may already hold local copies over a sent slot.
-            send_buf = torch.cat([_slot_bytes(w.index_select(0, src)) for w in weights], dim=1)
-        else:
-            send_buf = torch.empty(0, total, dtype=torch.uint8, device=device)
-        recv_buf = torch.empty(len(recvs), total, dtype=torch.uint8, device=device)
+        recv_buf = prepared.recv_buf
         dist.all_to_all_single(
-            recv_buf, send_buf, plan.recv_splits(rank), plan.send_splits(rank), group=group
+            recv_buf, prepared.send_buf, plan.recv_splits(rank), plan.send_splits(rank),
+            group=group,
         )
+        recvs = plan.recvs[rank]
         if recvs:
-            dst = index([d for _, _, d in recvs])
+            dst = _index([d for _, _, d in recvs], device)
             offset = 0
-            for out, nbytes in zip(outs, row_bytes):
+            for out, nbytes in zip(outs, prepared.row_bytes):
                 _slot_bytes(out).index_copy_(0, dst, recv_buf[:, offset : offset + nbytes])
                 offset += nbytes
 
     if plan.dup_copies[rank]:
-        src = index([s for s, _ in plan.dup_copies[rank]])
-        dst = index([d for _, d in plan.dup_copies[rank]])
+        src = _index([s for s, _ in plan.dup_copies[rank]], device)
+        dst = _index([d for _, d in plan.dup_copies[rank]], device)
         for out in outs:
             out.index_copy_(0, dst, out.index_select(0, src))
     return outs
+
+
+def move_layer_weights(
+    weights: Sequence[torch.Tensor],
+    plan: LayerMovePlan,
+    rank: int,
+    group: dist.ProcessGroup | None = None,
+) -> list[torch.Tensor]:
+    """Build this rank's weights for the new placement of one layer (collective):
+    :func:`prepare_layer_move` then :func:`exchange_layer_move`. The inputs are only read.
+
+    Returns:
+        New contiguous tensors, one per input, same shapes and dtypes, holding the new
+        placement's experts in this rank's slots.
+    """
+    return exchange_layer_move(prepare_layer_move(weights, plan, rank), plan, rank, group)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)

@@ -4,9 +4,11 @@
 and ``logical_replica_count [E]``: its inverse (``M = P - E + 1``, the most replicas one expert
 can have, so shapes never change and a rebalance only copies new values in).
 
-The initial placement fills slot ``p`` with expert ``p mod E``: the first ``E`` slots hold every
-expert once (the plain contiguous split when ``P == E``), redundant slots start as replicas of
-experts 0, 1, ... until the first rebalance measures what is hot.
+The initial placement is the plain contiguous split of the logical experts over the ranks
+(what runs without EPLB), each rank's redundant slots holding replicas of its own experts: no
+rank starts with help from another, so the first rebalance must earn any improvement. E.g.
+8 experts, 12 slots, 2 ranks: ``[0 1 2 3 0 1 | 4 5 6 7 4 5]``. When the experts do not split
+evenly over the ranks, slot ``p`` holds expert ``p mod E``.
 """
 
 from __future__ import annotations
@@ -25,11 +27,16 @@ class ExpertPlacement:
     logical_replica_count: torch.Tensor  # [E] int64
 
     @classmethod
-    def initial(cls, num_logical: int, num_physical: int,
+    def initial(cls, num_logical: int, num_physical: int, num_ranks: int,
                 device: torch.device | str | None = None) -> "ExpertPlacement":
         if num_physical < num_logical:
             raise ValueError(f"{num_physical} physical slots cannot hold {num_logical} experts")
-        p2l = torch.arange(num_physical, dtype=torch.int64) % num_logical
+        slot = torch.arange(num_physical, dtype=torch.int64)
+        if num_logical % num_ranks or num_physical % num_ranks:
+            p2l = slot % num_logical
+        else:
+            own, per_rank = num_logical // num_ranks, num_physical // num_ranks
+            p2l = (slot // per_rank) * own + (slot % per_rank) % own
         return cls.from_phys_to_logical(p2l, num_logical, device)
 
     @classmethod

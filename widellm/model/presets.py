@@ -14,6 +14,10 @@ versions, so editing a recipe never serves stale weights. Generation writes into
 sibling folder and renames it into place, so concurrent processes never see a half-written
 model and the loser of a race simply uses the winner's folder.
 
+Presets ending in ``-skewed`` (``deepseek-v3-tiny-skewed``, ``deepseek-v3-small-skewed``) have
+the weights of their unskewed twin except for a router score-correction bias that makes a few
+experts hot (``PresetSpec.router_skew``), so expert-parallel load balancing has work to do.
+
 Run ``python -m widellm.model.presets preset:deepseek-v3-small`` to print (and create) a
 preset's folder.
 """
@@ -46,6 +50,34 @@ HASH_CHARS = 12
 SCORE_BIAS_STD = 0.02
 # Offset the bias generator's seed from the weight seed so the two streams are independent.
 SCORE_BIAS_SEED_OFFSET = 1
+
+# Router skew (PresetSpec.router_skew), for presets whose expert load must be unbalanced so that
+# expert-parallel load balancing has something to fix. A random router spreads tokens fairly
+# evenly (contiguous EP2/EP4 balancedness of the unskewed DeepSeek-V3 presets: ~0.55-0.98,
+# uneven only through their small random bias and correlated hidden states); the skew adds to the DeepSeek-V3 score-correction bias (selection only, gate values stay the
+# model's own) ``router_skew * unit * heat[e]``, where ``unit`` is the spread of the sigmoid
+# router scores (sigmoid'(0) = 1/4 times the mean gate-row norm, the logit std for a unit-RMS
+# normed input) and ``heat`` is:
+#   * SKEW_WARM on the first half of the experts: their groups win group-limited routing, so
+#     contiguous EP2 placement puts nearly all the load on rank 0;
+#   * plus SKEW_BLOCK on the first quarter, the slots of EP4 rank 0, so that rank gets most
+#     of the load under EP4 as well;
+#   * plus SKEW_HOT on max(1, top_k // 2) hot experts drawn (seeded, per layer) from that
+#     first quarter. The load stays spread over several experts, each well under half of the
+#     selections (and no expert is chosen by every token), so a replica-based balancer can
+#     even it out.
+SKEW_WARM = 1.0
+SKEW_BLOCK = 0.25
+SKEW_HOT = 0.5
+# Sigmoid slope at 0: converts a logit spread into a score spread.
+SIGMOID_SLOPE = 0.25
+# Parts of the expert range: the block and hot experts are in the first 1/SKEW_HOT_SPAN_DIV,
+# the warm ones are the first 1/SKEW_WARM_SPAN_DIV.
+SKEW_HOT_SPAN_DIV = 4
+SKEW_WARM_SPAN_DIV = 2
+SKEW_SEED_OFFSET = 2
+# Skew of the "-skewed" presets: EP2 balancedness (mean/max tokens per rank) ~0.5, EP4 ~0.3-0.4.
+DEFAULT_ROUTER_SKEW = 2.0
 
 BOS_TOKEN = "<|bos|>"
 # GPT-2's end-of-text name: transformers forces Qwen2Tokenizer onto qwen2 checkpoints, and that
@@ -103,6 +135,9 @@ class PresetSpec:
         extra_config: keys merged into config.json after saving, for fields real checkpoints
             carry that the transformers config class drops (e.g. DeepSeek-V3's topk_method).
         description: one line for humans and ``--help`` listings.
+        router_skew: 0 (default) for a plain random router; > 0 makes a few experts hot
+            through the DeepSeek-V3 score-correction bias (see :data:`SKEW_WARM`), in units of
+            the router-score spread. DeepSeek-V3 (``e_score_correction_bias``) models only.
     """
 
     config_class: str
@@ -112,6 +147,7 @@ class PresetSpec:
     dtype: str = "float32"
     extra_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     description: str = ""
+    router_skew: float = 0.0
 
     @property
     def vocab_size(self) -> int:
@@ -120,7 +156,7 @@ class PresetSpec:
 
     def to_json_dict(self) -> dict[str, Any]:
         """Plain-dict form used for hashing (and handy for logging)."""
-        return {
+        out = {
             "config_class": self.config_class,
             "model_class": self.model_class,
             "config_kwargs": dict(self.config_kwargs),
@@ -128,6 +164,10 @@ class PresetSpec:
             "dtype": self.dtype,
             "extra_config": dict(self.extra_config),
         }
+        # Only when set, so unskewed presets keep their hashes (and cached folders).
+        if self.router_skew:
+            out["router_skew"] = self.router_skew
+        return out
 
 
 # Keyword arguments shared by every "-tiny" preset: small enough that building, saving and
@@ -153,6 +193,36 @@ _TINY_GQA: dict[str, Any] = {
 # The DeepSeek routing fields that transformers' DeepseekV3Config does not keep but real
 # DeepSeek-V3 checkpoints (and vLLM) rely on.
 _DEEPSEEK_V3_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+_DEEPSEEK_V3_TINY_KWARGS: dict[str, Any] = {
+    **_TINY_COMMON,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "num_mtp_layers": 0,
+}
+_DEEPSEEK_V3_TINY_DESCRIPTION = (
+    "DeepSeek-V3 MLA+MoE, 3 layers (1 dense), 16 experts top-4, sigmoid noaux_tc routing, fp32"
+)
+_DEEPSEEK_V3_SMALL_DESCRIPTION = (
+    "DeepSeek-V3 shape for benchmarks: hidden 1024, 8 layers (1 dense), "
+    "64 experts top-6 + 1 shared, MLA kv_lora 512; ~0.31 GFLOP/token, bf16"
+)
+_SKEWED_DESCRIPTION = (
+    "; skewed router (router_skew {skew:g}): hot experts on the first EP2/EP4 rank, "
+    "balancedness <0.6, for EPLB"
+)
 
 _DEEPSEEK_V3_SMALL_KWARGS: dict[str, Any] = {
     "vocab_size": 32000,
@@ -184,28 +254,11 @@ PRESETS: Mapping[str, PresetSpec] = MappingProxyType(
         "deepseek-v3-tiny": PresetSpec(
             config_class="DeepseekV3Config",
             model_class="DeepseekV3ForCausalLM",
-            config_kwargs={
-                **_TINY_COMMON,
-                "moe_intermediate_size": 32,
-                "num_hidden_layers": 3,
-                "first_k_dense_replace": 1,
-                "num_key_value_heads": 4,
-                "n_routed_experts": 16,
-                "num_experts_per_tok": 4,
-                "n_shared_experts": 1,
-                "n_group": 4,
-                "topk_group": 2,
-                "q_lora_rank": 48,
-                "kv_lora_rank": 32,
-                "qk_rope_head_dim": 16,
-                "qk_nope_head_dim": 32,
-                "v_head_dim": 32,
-                "num_mtp_layers": 0,
-            },
+            config_kwargs=_DEEPSEEK_V3_TINY_KWARGS,
             seed=0,
             extra_config=_DEEPSEEK_V3_ROUTING,
-            description="DeepSeek-V3 MLA+MoE, 3 layers (1 dense), 16 experts top-4, "
-            "sigmoid noaux_tc routing, fp32",
+            description=_DEEPSEEK_V3_TINY_DESCRIPTION
+            + "; see deepseek-v3-tiny-skewed for unbalanced expert load",
         ),
         "deepseek-v3-small": PresetSpec(
             config_class="DeepseekV3Config",
@@ -214,8 +267,31 @@ PRESETS: Mapping[str, PresetSpec] = MappingProxyType(
             seed=0,
             dtype="bfloat16",
             extra_config=_DEEPSEEK_V3_ROUTING,
-            description="DeepSeek-V3 shape for benchmarks: hidden 1024, 8 layers (1 dense), "
-            "64 experts top-6 + 1 shared, MLA kv_lora 512; ~0.31 GFLOP/token, bf16",
+            description=_DEEPSEEK_V3_SMALL_DESCRIPTION
+            + "; see deepseek-v3-small-skewed for unbalanced expert load",
+        ),
+        # Same weights as the twins above (same config and seed); only the score-correction
+        # bias differs, which makes expert load unbalanced for EPLB tests and benchmarks.
+        "deepseek-v3-tiny-skewed": PresetSpec(
+            config_class="DeepseekV3Config",
+            model_class="DeepseekV3ForCausalLM",
+            config_kwargs=_DEEPSEEK_V3_TINY_KWARGS,
+            seed=0,
+            extra_config=_DEEPSEEK_V3_ROUTING,
+            router_skew=DEFAULT_ROUTER_SKEW,
+            description=_DEEPSEEK_V3_TINY_DESCRIPTION
+            + _SKEWED_DESCRIPTION.format(skew=DEFAULT_ROUTER_SKEW),
+        ),
+        "deepseek-v3-small-skewed": PresetSpec(
+            config_class="DeepseekV3Config",
+            model_class="DeepseekV3ForCausalLM",
+            config_kwargs=_DEEPSEEK_V3_SMALL_KWARGS,
+            seed=0,
+            dtype="bfloat16",
+            extra_config=_DEEPSEEK_V3_ROUTING,
+            router_skew=DEFAULT_ROUTER_SKEW,
+            description=_DEEPSEEK_V3_SMALL_DESCRIPTION
+            + _SKEWED_DESCRIPTION.format(skew=DEFAULT_ROUTER_SKEW),
         ),
         "deepseek-v2-tiny": PresetSpec(
             config_class="DeepseekV2Config",
@@ -342,6 +418,11 @@ def spec_hash(spec: PresetSpec) -> str:
         # Init order or serialisation may change between transformers releases.
         "transformers": transformers.__version__,
     }
+    if spec.router_skew:
+        # The skew recipe lives in module constants; editing them must not serve stale weights.
+        payload["router_skew_profile"] = [
+            SKEW_WARM, SKEW_BLOCK, SKEW_HOT, SKEW_HOT_SPAN_DIV, SKEW_WARM_SPAN_DIV, SKEW_SEED_OFFSET
+        ]
     blob = json.dumps(payload, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:HASH_CHARS]
 
@@ -397,6 +478,8 @@ def write_checkpoint(spec: PresetSpec, folder: str) -> None:
         model = model_cls(config)
     model = model.to(getattr(torch, spec.dtype)).eval()
     _randomize_score_bias(model, spec.seed)
+    if spec.router_skew:
+        _skew_router(model, config, spec.router_skew, spec.seed)
     model.generation_config.bos_token_id = config.bos_token_id
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
@@ -425,6 +508,56 @@ def _randomize_score_bias(model: Any, seed: int) -> None:
         if isinstance(bias, torch.Tensor):
             values = torch.randn(bias.shape, generator=generator, dtype=torch.float32)
             module.e_score_correction_bias = values * SCORE_BIAS_STD
+
+
+def skew_heat(num_experts: int, top_k: int, generator: Any) -> Any:
+    """Per-expert heat of one MoE layer (see :data:`SKEW_WARM`), in router-score units.
+
+    Args:
+        num_experts: routed experts of the layer.
+        top_k: experts per token.
+        generator: torch generator that picks this layer's hot experts.
+
+    Returns:
+        ``[num_experts]`` float32: SKEW_WARM on the first half, plus SKEW_BLOCK on the first
+        quarter, plus SKEW_HOT on ``max(1, top_k // 2)`` experts of the first quarter.
+    """
+    import torch
+
+    heat = torch.zeros(num_experts, dtype=torch.float32)
+    heat[: max(1, num_experts // SKEW_WARM_SPAN_DIV)] = SKEW_WARM
+    hot_span = max(1, num_experts // SKEW_HOT_SPAN_DIV)
+    heat[:hot_span] += SKEW_BLOCK
+    num_hot = min(hot_span, max(1, top_k // 2))
+    hot = torch.randperm(hot_span, generator=generator)[:num_hot]
+    heat[hot] += SKEW_HOT
+    return heat
+
+
+def _skew_router(model: Any, config: Any, skew: float, seed: int) -> None:
+    """Add the router skew of :data:`SKEW_WARM` to every score-correction bias, in place.
+
+    Each MoE layer draws its own hot experts from one seeded stream, in layer order.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + SKEW_SEED_OFFSET)
+    gates = [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "e_score_correction_bias", None), torch.Tensor)
+    ]
+    if not gates:
+        raise ValueError(
+            "router_skew needs a router with an e_score_correction_bias (DeepSeek-V3 models)"
+        )
+    for gate in gates:
+        # Router scores are sigmoid(w_e . x) with x unit-RMS (RMSNorm output), so the logit
+        # spread is about |w_e| and the score spread SIGMOID_SLOPE * |w_e|.
+        unit = SIGMOID_SLOPE * float(gate.weight.detach().float().norm(dim=1).mean())
+        bias = gate.e_score_correction_bias
+        heat = skew_heat(bias.shape[0], config.num_experts_per_tok, generator)
+        gate.e_score_correction_bias = bias.float() + skew * unit * heat
 
 
 def _merge_json(path: str, extra: Mapping[str, Any]) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from widellm.config import EPLBConfig
 from widellm.core.outputs import EplbStats
-from widellm.eplb.executor import move_layer_weights, plan_layer_moves
+from widellm.eplb.executor import exchange_layer_move, plan_layer_moves, prepare_layer_move
 from widellm.eplb.planner import balancedness, rank_load, rebalance_experts
 from widellm.eplb.stats import ExpertLoadRecorder
 from widellm.layers.moe.layer import FusedMoE
@@ -114,29 +114,38 @@ class EplbController:
     # ---- moving --------------------------------------------------------------------------
 
     def _move_next_layer(self) -> None:
+        """Move one queued layer. Two agreements: after the local preparation (so a rank that
+        failed there never leaves its peers waiting inside the all-to-all) and after the
+        exchange (so maps switch on every rank or on none)."""
         index, new_p2l = self.pending.pop(0)
         layer = self.layers[index]
         start = time.perf_counter()
-        ok = True
+        plan = prepared = new_weights = None
         try:
             plan = plan_layer_moves(layer.placement.phys_to_logical.cpu(), new_p2l,
                                     self.num_ranks)
-            w13, w2 = move_layer_weights((layer.w13_weight.data, layer.w2_weight.data), plan,
-                                         self.rank, self.group)
+            prepared = prepare_layer_move((layer.w13_weight.data, layer.w2_weight.data), plan,
+                                          self.rank)
         except Exception:  # noqa: BLE001 - any failure keeps the old placement
-            logger.exception("EPLB: moving layer %d failed; keeping its placement", index)
-            ok = False
-        # Switch only if every rank has its new weights: maps must agree across ranks.
-        flag = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        if int(flag) == 1:
-            layer.w13_weight.data = w13
-            layer.w2_weight.data = w2
-            layer.placement.update_(new_p2l)
-            if not self.pending:
-                self.stats.num_rebalances += 1
-                self.recorder.reset()  # measure the new placement from scratch
-        else:
-            self.pending.clear()
+            logger.exception("EPLB: preparing layer %d failed; keeping its placement", index)
+        if self._all_agree(prepared is not None):
+            try:
+                new_weights = exchange_layer_move(prepared, plan, self.rank, self.group)
+            except Exception:  # noqa: BLE001
+                logger.exception("EPLB: moving layer %d failed; keeping its placement", index)
+            if self._all_agree(new_weights is not None):
+                layer.w13_weight.data, layer.w2_weight.data = new_weights
+                layer.placement.update_(new_p2l)
+                if not self.pending:
+                    self.stats.num_rebalances += 1
+                    self.recorder.reset()  # measure the new placement from scratch
+                new_weights = True
+        if new_weights is not True:
+            self.pending.clear()  # the layers not moved yet keep their placement
             self.stats.num_failed_rebalances += 1
         self.stats.max_stall_s = max(self.stats.max_stall_s, time.perf_counter() - start)
+
+    def _all_agree(self, ok: bool) -> bool:
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return int(flag) == 1

@@ -131,7 +131,7 @@ class FusedMoE(nn.Module):
             backend_kwargs = ep.dispatcher_kwargs(top_k, num_experts)
             self._ep_rank = ep.rank
             if ep.enable_eplb:
-                self.placement = ExpertPlacement.initial(num_experts, num_physical, device)
+                self.placement = ExpertPlacement.initial(num_experts, num_physical, ep.size, device)
         if expert_map is None:
             expert_map = torch.arange(num_experts, dtype=torch.int64)
         if expert_map.shape != (num_physical,):
