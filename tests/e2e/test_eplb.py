@@ -55,3 +55,38 @@ def test_eplb_rebalances_mid_generation_with_equal_outputs(skewed, dp):
     after = [b for _, b, applied in s.history if applied >= 1]
     assert after and max(after) > 0.85, s.history
     assert 0 < s.max_stall_s < 5.0
+
+
+def test_serve_keeps_completing_requests_across_rebalances(skewed, tmp_path):
+    import concurrent.futures
+
+    import openai
+
+    from tests.e2e.test_api_server import REQUEST_TIMEOUT_S, ServerProcess, _metric, _metrics
+
+    path, _ = skewed
+    server = ServerProcess(path, tmp_path / "server.log", [
+        "--data-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb",
+        "--eplb-num-redundant-experts", str(REDUNDANT), "--eplb-window-size", str(WINDOW),
+        "--eplb-step-interval", str(INTERVAL)])
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=REQUEST_TIMEOUT_S)
+        model = client.models.list().data[0].id
+
+        def one(prompt: list[int]) -> int:
+            out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                            temperature=0, extra_body={"ignore_eos": True})
+            return out.usage.completion_tokens
+
+        # Two waves of concurrent requests; rebalances happen while they run.
+        with concurrent.futures.ThreadPoolExecutor(NUM_PROMPTS) as pool:
+            for _ in range(2):
+                assert list(pool.map(one, _prompts())) == [MAX_TOKENS] * NUM_PROMPTS
+        metrics = _metrics(server)
+        assert _metric(metrics, "widellm:eplb_num_rebalances") >= 2
+        assert _metric(metrics, "widellm:eplb_balancedness") > 0.85
+        assert 0 < _metric(metrics, "widellm:eplb_max_stall_seconds") < 5.0
+    finally:
+        server.stop()
