@@ -9,7 +9,8 @@ from transformers.activations import ACT2FN
 
 from widellm.layers.activation import SiluAndMul, silu_and_mul
 from widellm.layers.moe.experts import (
-    experts_forward, grouped_experts_forward, masked_experts_forward, reference_experts_forward,
+    experts_forward, grouped_experts_forward, masked_experts_forward, prefers_masked_layout,
+    reference_experts_forward,
 )
 
 NUM_EXPERTS = 6
@@ -105,5 +106,20 @@ def test_masked_layout_matches_reference(dtype, num_rows):
     torch.testing.assert_close(masked, reference, atol=tol, rtol=tol)
     assert torch.equal(masked[::5], torch.zeros_like(masked[::5]))
     assert torch.equal(experts_forward(hidden, expert_ids, w13, w2),
-                       masked if 2 <= num_rows / num_experts <= 16 else
+                       masked if prefers_masked_layout(expert_ids, num_experts) else
                        grouped_experts_forward(hidden, expert_ids, w13, w2))
+
+
+def test_layout_choice_by_rows_per_expert_and_skew():
+    num_experts = 8
+    even = torch.arange(64) % num_experts  # 8 rows each: decode-like, masked
+    assert prefers_masked_layout(even, num_experts)
+    assert not prefers_masked_layout(even[:8], num_experts)  # 1 row each: too few
+    assert not prefers_masked_layout(torch.arange(1024) % num_experts, num_experts)  # prefill
+    # Same 64 rows, but one expert takes 40: the grid would be 8 x 64 = 512 rows for 64 real
+    # ones (8x padding), so the contiguous layout is chosen.
+    skewed = torch.cat([torch.zeros(40, dtype=torch.int64), torch.arange(24) % num_experts])
+    assert not prefers_masked_layout(skewed, num_experts)
+    # Padding rows (-1) count for nothing: a mostly empty fixed-capacity buffer is not decode.
+    padded = torch.cat([even[:8], torch.full((56,), -1)])
+    assert not prefers_masked_layout(padded, num_experts)

@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> dict:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     per_rank, ranks_rss = _rank_breakdowns(llm)
+    client = llm.llm_engine.client
+    eplb = client.eplb_stats.get(0) if client is not None else None
     llm.shutdown()
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
@@ -62,6 +64,16 @@ def run(args: argparse.Namespace) -> dict:
         "peak_rss_gib": (peak_rss_bytes() + ranks_rss) / GIB,
         "data_parallel_size": llm.llm_engine.config.parallel_config.data_parallel_size,
     }
+    if eplb is not None:
+        result["eplb"] = {
+            "initial_balancedness": eplb.initial_balancedness,
+            "final_balancedness": eplb.balancedness,
+            "num_rebalances": eplb.num_rebalances,
+            "max_stall_s": eplb.max_stall_s,
+            "history": eplb.history,
+        }
+        print(f"EPLB: balancedness {eplb.initial_balancedness:.3f} -> {eplb.balancedness:.3f}, "
+              f"{eplb.num_rebalances} rebalances, longest stall {eplb.max_stall_s * 1e3:.1f} ms")
     if per_rank:
         result["step_breakdown"] = per_rank
         for rank, b in per_rank.items():

@@ -7,8 +7,9 @@ batch). Ranks step in lockstep, so their step counters agree, and every collecti
 same step on every rank. Schedule, with ``W = window_size`` and ``S = step_interval``:
 
 - every ``W`` steps: all-reduce the window's load, measure balancedness, log it if asked;
-- every ``S`` steps: plan a new placement from the window's logical load (planner.py) and
-  queue the layers whose placement changes;
+- every ``S`` steps: plan a new placement from the window's logical load (planner.py) and,
+  if it raises balancedness by at least ``MIN_BALANCEDNESS_GAIN``, queue the layers whose
+  placement changes;
 - while layers are queued: move one layer per step (its step waits for that move: the
   "stall"), and switch its maps only if every rank moved it; a failure anywhere abandons the
   rest of the plan and leaves the old placement of the unmoved layers in force.
@@ -34,6 +35,11 @@ logger = logging.getLogger(__name__)
 
 # Measurements kept in EplbStats.history (sent to the frontend with every output batch).
 HISTORY_LEN = 32
+# A plan must raise balancedness by this much over the current placement to be applied:
+# moving a layer stalls one step, and chasing the noise of a good placement costs more
+# steps than it saves (measured: re-moving every layer every 16 steps to go from 0.98 to
+# 0.998 cost ~7 s of a 50 s run; see docs/BENCHMARKS.md).
+MIN_BALANCEDNESS_GAIN = 0.05
 
 
 class EplbController:
@@ -104,6 +110,11 @@ class EplbController:
         before = self._rank_balancedness(physical)
         planned = float(balancedness(rank_load(logical, new, count, self.num_ranks)).mean())
         self.stats.last_planned_balancedness = planned
+        if planned - before < MIN_BALANCEDNESS_GAIN:
+            if self.config.log_balancedness and self.rank == 0:
+                logger.info("EPLB step %d: keeping the placement (balancedness %.3f, a new "
+                            "plan would reach %.3f)", self.step_count, before, planned)
+            return
         self.pending = [(i, new[i]) for i in range(len(self.layers))
                         if not torch.equal(new[i], old[i])]
         if self.rank == 0:

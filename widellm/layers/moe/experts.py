@@ -129,18 +129,31 @@ def masked_experts_forward(
     return out
 
 
-# Masked layout pays for every expert; it wins when most experts get a few rows each (decode
-# batches), the contiguous layout when rows are many (prefill) or few experts are hit.
+# Masked layout pays for every expert up to the busiest one's (bucketed) row count; it wins
+# when most experts get a few rows each (decode batches), the contiguous layout when rows are
+# many (prefill), few experts are hit, or the load is skewed (one hot expert would pad every
+# other expert to its size).
 MASKED_MIN_ROWS_PER_EXPERT = 2
 MASKED_MAX_ROWS_PER_EXPERT = 16
+# Most grid rows per real row the masked layout may compute (bounds the padding waste).
+MASKED_MAX_PADDING = 4
+
+
+def prefers_masked_layout(expert_ids: torch.Tensor, num_experts: int) -> bool:
+    """Whether :func:`masked_experts_forward` should compute these rows (one host sync)."""
+    valid = expert_ids[expert_ids >= 0]
+    num_valid = valid.numel()
+    if not MASKED_MIN_ROWS_PER_EXPERT <= num_valid / num_experts <= MASKED_MAX_ROWS_PER_EXPERT:
+        return False
+    busiest = int(torch.bincount(valid, minlength=num_experts).max())
+    return num_experts * bucket_rows(busiest) <= MASKED_MAX_PADDING * num_valid
 
 
 def experts_forward(
     hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
-    """Pick the layout by rows per expert; both give the reference result."""
-    per_expert = hidden.shape[0] / w13.shape[0]
-    if MASKED_MIN_ROWS_PER_EXPERT <= per_expert <= MASKED_MAX_ROWS_PER_EXPERT:
+    """Pick the layout by the rows each expert gets; both give the reference result."""
+    if prefers_masked_layout(expert_ids, w13.shape[0]):
         return masked_experts_forward(hidden, expert_ids, w13, w2)
     return grouped_experts_forward(hidden, expert_ids, w13, w2)
 
