@@ -63,3 +63,28 @@ def test_data_parallel_without_ep_and_balancer_routing(reference):
     the load balancer places the requests."""
     path, prompts, expected = reference
     assert generate(path, prompts, data_parallel_size=2) == expected
+
+
+def test_n_samples_stop_strings_and_seeds_across_ranks(model_dir):
+    """The frontend's bookkeeping over ranks: the samples of an n > 1 request go to one rank
+    (they share the prompt's blocks), stop strings abort the request on the rank that holds
+    it, seeded sampling gives what one rank gives, and every rank's KV pool ends empty."""
+    path = model_dir("Qwen3MoeForCausalLM")
+    prompts = [[5 + (3 * i + j) % 200 for j in range(6 + 20 * i)] for i in range(6)]
+    params = [SamplingParams(temperature=0.8, seed=i, n=2, max_tokens=12, ignore_eos=True)
+              for i in range(3)]
+    params += [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[" "])
+               for _ in range(3)]
+
+    def run(**kwargs):
+        with LLM(path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, **kwargs) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            client = llm.llm_engine.client
+            if client is not None:
+                assert all(s.kv_cache_usage == 0 for s in client.last_stats.values())
+                assert not client._req_rank  # every request finished or was aborted
+        return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+
+    expected = run()
+    assert any(c[2] == "stop" for o in expected[3:] for c in o)  # a stop string did fire
+    assert run(data_parallel_size=2, enable_expert_parallel=True) == expected
