@@ -19,7 +19,7 @@ import pytest
 
 from tests.e2e.test_api_server import (
     ENGINE_FLAGS, REQUEST_TIMEOUT_S, STOP_TIMEOUT_S, ServerProcess, _children, _free_port,
-    _metrics,
+    _metric, _metrics,
 )
 from widellm import LLM, SamplingParams
 
@@ -86,6 +86,32 @@ def test_dp2_ep_serve_equals_single_rank(dp2_server, expected):
     assert sorted(finished) == ["0", "1"] and all(v > 0 for v in finished.values())
     usage = _rank_samples(dp2_server, "widellm:kv_cache_usage_perc")
     assert usage == {"0": 0.0, "1": 0.0}
+
+
+def test_disconnect_frees_the_rank_that_held_the_request(dp2_server):
+    """A client that goes away mid-stream: the abort reaches the rank holding the request
+    and its KV blocks come back, on every rank."""
+    body = {"prompt": [7] * 40, "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    before = _metrics(dp2_server)
+    for _ in range(2):  # the balancer puts the two on different ranks
+        with httpx.stream("POST", dp2_server.url + "/v1/completions", json=body,
+                          timeout=REQUEST_TIMEOUT_S) as response:
+            assert next(response.iter_lines()).startswith("data: {")
+    deadline = time.monotonic() + DEATH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        usage = _rank_samples(dp2_server, "widellm:kv_cache_usage_perc")
+        running = _rank_samples(dp2_server, "widellm:num_requests_running")
+        if set(usage.values()) == {0.0} and set(running.values()) == {0.0}:
+            break
+        time.sleep(0.1)
+    assert set(usage.values()) == {0.0} and set(running.values()) == {0.0}, (usage, running)
+    after = _metrics(dp2_server)
+    # Neither request ran to its end: both were cut short by the abort.
+    successes = "widellm:request_success_total"
+    assert _metric(after, successes) == _metric(before, successes)
+    generated = "widellm:generation_tokens_total"
+    assert _metric(after, generated) - _metric(before, generated) < 2 * body["max_tokens"]
 
 
 def test_two_node_launch_equals_single_rank(model_dir, tmp_path, expected):
