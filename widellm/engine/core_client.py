@@ -232,7 +232,10 @@ class EngineCoreClient:
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         for frames in self._route_aborts(request_ids):
-            self._sync_in.send_multipart(frames)
+            try:
+                self._sync_in.send_multipart(frames)
+            except zmq.ZMQError:
+                pass  # that rank is gone: nothing left to abort there
 
     def get_output(self, timeout_s: float) -> EngineCoreOutputs | None:
         """The next output batch from any rank, or None after ``timeout_s`` without one."""
@@ -249,7 +252,10 @@ class EngineCoreClient:
 
     async def abort_requests_async(self, request_ids: Sequence[str]) -> None:
         for frames in self._route_aborts(request_ids):
-            await self._input.send_multipart(frames)
+            try:
+                await self._input.send_multipart(frames)
+            except zmq.ZMQError:
+                pass  # that rank is gone: nothing left to abort there
 
     async def get_output_async(self, timeout_s: float) -> EngineCoreOutputs | None:
         if not await self._output.poll(int(timeout_s * 1000)):
