@@ -530,13 +530,15 @@ def test_engine_core_death_fails_requests_and_health(keyed_server):
                                           json={**body, "stream": False},
                                           timeout=REQUEST_TIMEOUT_S)
 
+    # Both requests go out together: a tiny model generates its 400 tokens in about a second,
+    # so a second request sent only after the first streamed a chunk could find it finished.
+    waiter = threading.Thread(target=non_streaming)
+    waiter.start()
     with httpx.Client(timeout=DEATH_TIMEOUT_S, headers=headers) as http:
         with http.stream("POST", url + COMPLETIONS, json=body) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             assert next(lines).startswith("data: {")
-            waiter = threading.Thread(target=non_streaming)
-            waiter.start()
             _wait_until(lambda: _running(keyed_server) == 2, IDLE_TIMEOUT_S, "both requests")
             os.kill(keyed_server.engine_core_pid(), signal.SIGKILL)
             killed = time.monotonic()
