@@ -73,8 +73,10 @@ def _routing(num_tokens: int, args: argparse.Namespace, rank: int):
 
 
 def _wire_bytes(kind: str, counts: torch.Tensor, rank: int, num_tokens_all: list[int],
-                args: argparse.Namespace, capacity: int, checked: bool) -> int:
-    """Bytes ``rank`` sends + receives in one layer, from the ``[R, R]`` pair counts."""
+                args: argparse.Namespace, capacity: int, checked: bool,
+                units: torch.Tensor) -> int:
+    """Bytes ``rank`` sends + receives in one layer, from the ``[R, R]`` (token, slot) pair
+    counts and the ``[R, R]`` (token, rank) unit counts."""
     from widellm.layers.moe.dispatch_ep import RowCodec
 
     ranks, dtype = args.ranks, DTYPES[args.dtype]
@@ -85,10 +87,12 @@ def _wire_bytes(kind: str, counts: torch.Tensor, rank: int, num_tokens_all: list
         max_tokens = max(num_tokens_all)
         # max-T all-reduce, all-gather of packed tokens, fp32 reduce-scatter (ring: R-1 steps).
         return 2 * (ranks - 1) * (8 + max_tokens * row + max_tokens * args.hidden * 4)
-    row = RowCodec(args.hidden, dtype).row_bytes
     if kind == "all2all":
-        pairs = sum(int(counts[rank, d]) + int(counts[d, rank]) for d in others)
-        return pairs * (row + out_row) + 2 * (ranks - 1) * 8
+        # One packed row per (token, rank) unit out, one fp32 partial sum back.
+        row = RowCodec(args.hidden, dtype, num_slots=args.top_k).row_bytes
+        sent = sum(int(units[rank, d]) + int(units[d, rank]) for d in others)
+        return sent * (row + args.hidden * 4) + 2 * (ranks - 1) * 8
+    row = RowCodec(args.hidden, dtype).row_bytes
     fixed = 2 * (ranks - 1) * capacity * (row + out_row)
     if not checked:
         return fixed
@@ -140,6 +144,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results_path: str) -
         counts = torch.empty(ranks * ranks, dtype=torch.int64)
         all_gather_single(counts, mine)
         counts = counts.view(ranks, ranks)
+        # [R, R] (token, rank) units: a token counts once per rank holding any of its experts.
+        needs = torch.zeros(num_tokens, ranks, dtype=torch.int64)
+        needs.scatter_(1, batch[1] // per_rank, 1)
+        units = torch.empty(ranks * ranks, dtype=torch.int64)
+        all_gather_single(units, needs.sum(0))
+        units = units.view(ranks, ranks)
         worst = num_tokens * min(args.top_k, per_rank)
         mean = num_tokens * args.top_k / ranks
         checked_capacity = args.capacity or math.ceil(DEFAULT_CAPACITY_FACTOR * mean)
@@ -159,7 +169,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results_path: str) -
             slowest = times.clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             wire = torch.tensor([_wire_bytes(kind, counts, rank, [num_tokens] * ranks, args,
-                                             kwargs.get("capacity", 0), checked)])
+                                             kwargs.get("capacity", 0), checked, units)])
             dist.all_reduce(wire, op=dist.ReduceOp.MAX)
             ms = statistics.median(slowest.tolist()) * 1e3
             rows.append({

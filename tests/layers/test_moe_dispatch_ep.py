@@ -164,9 +164,23 @@ def _pair_counts(world_size: int, route: str) -> torch.Tensor:
     return counts
 
 
-def _expected_rows(world_size: int, route: str, rank: int, capacity: int | None) -> int:
-    """Rows ``rank`` receives: every pair routed to it (variable backends), or ``R * capacity``
-    fixed rows plus the pairs that did not fit (spilled after them)."""
+def _token_rank_units(world_size: int, route: str, rank: int) -> int:
+    """(token, rank) pairs of all ranks' batches with at least one slot served by ``rank``."""
+    per_rank = NUM_EXPERTS // world_size
+    units = 0
+    for src in range(world_size):
+        ids = _batch(world_size, route, src, torch.float32)[1]
+        units += int(((ids >= 0) & (ids // per_rank == rank)).any(dim=1).sum())
+    return units
+
+
+def _expected_rows(world_size: int, route: str, rank: int, capacity: int | None,
+                   backend: str = "") -> int:
+    """Rows ``rank`` receives: for ``all2all`` k slots per (token, rank) pair sent; every pair
+    routed to it (allgather); or ``R * capacity`` fixed rows plus the pairs that did not fit
+    (spilled after them)."""
+    if backend == "all2all":
+        return TOP_K * _token_rank_units(world_size, route, rank)
     into_rank = _pair_counts(world_size, route)[:, rank]
     if capacity is None:
         return int(into_rank.sum())
@@ -287,7 +301,8 @@ def test_backend_matches_local_fp32(backend, world_size):
     received = run_ranks(_rank_backend_fp32, world_size, backend, timeout_s=RUN_TIMEOUT_S)
     capacity = DEFAULT_TEST_CAPACITY if backend == "all2all_fixed" else None
     for rank, per_route in enumerate(received):
-        assert per_route == [_expected_rows(world_size, route, rank, capacity) for route in ROUTES]
+        assert per_route == [_expected_rows(world_size, route, rank, capacity, backend)
+                             for route in ROUTES]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
