@@ -11,8 +11,8 @@ Overflow (more than ``capacity`` pairs from one rank for one destination) is nev
 - *Dynamic check* (the default): dispatch also all-reduces (MAX) the number of pairs that did
   not fit, and ``dispatch_wait`` reads it: one scalar all-reduce and one host sync per layer.
   The value is the same on every rank, so all ranks agree: if it is non-zero, every rank runs a
-  spill round for the pairs that did not fit through the variable-split path of ``all2all``
-  (count exchange, rows' all-to-all; its outputs come back the same way in combine). The spill
+  spill round for the pairs that did not fit through a variable-split exchange of one row per
+  pair (count exchange, rows' all-to-all; its outputs come back the same way in combine). The spill
   rows follow the fixed ones in the ``DispatchedTokens``.
 - *Static guarantee*: when ``max_tokens_per_rank`` is given and
   ``capacity >= max_tokens_per_rank * min(top_k, S)``, no destination can get more pairs than
