@@ -198,6 +198,11 @@ class EPLBConfig:
     window_size: int = 1000  # steps of load kept
     step_interval: int = 3000  # steps between rebalances
     log_balancedness: bool = False
+    # A plan is applied only if it raises balancedness by at least this much: moving a layer
+    # stalls a step, and chasing the noise of a good placement costs more than it saves
+    # (measured: re-moving every layer every 16 steps to go from 0.98 to 0.998 cost ~7 s of a
+    # 50 s run; docs/BENCHMARKS.md). 0 applies every plan that is not worse.
+    min_balancedness_gain: float = 0.05
 
     def __post_init__(self) -> None:
         if self.num_redundant_experts < 0:
@@ -207,6 +212,9 @@ class EPLBConfig:
             raise ValueError(f"eplb_window_size must be >= 1, got {self.window_size}")
         if self.step_interval < 1:
             raise ValueError(f"eplb_step_interval must be >= 1, got {self.step_interval}")
+        if not 0.0 <= self.min_balancedness_gain <= 1.0:
+            raise ValueError(f"eplb_min_balancedness_gain must be in [0, 1], got "
+                             f"{self.min_balancedness_gain}")
         if self.num_redundant_experts and not self.enable_eplb:
             raise ValueError("eplb_num_redundant_experts needs --enable-eplb")
 

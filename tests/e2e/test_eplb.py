@@ -68,7 +68,9 @@ def test_serve_keeps_completing_requests_across_rebalances(skewed, tmp_path):
     server = ServerProcess(path, tmp_path / "server.log", [
         "--data-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb",
         "--eplb-num-redundant-experts", str(REDUNDANT), "--eplb-window-size", str(WINDOW),
-        "--eplb-step-interval", str(INTERVAL)])
+        "--eplb-step-interval", str(INTERVAL),
+        # Apply every plan, even a small gain, so the run sees several rebalances.
+        "--eplb-min-balancedness-gain", "0"])
     try:
         server.wait_ready()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,

@@ -81,6 +81,8 @@ class EngineArgs:
         "help": "steps between rebalances"})
     eplb_log_balancedness: bool = field(default=False, metadata={
         "help": "log the expert load balancedness every rebalance window"})
+    eplb_min_balancedness_gain: float = field(default=0.05, metadata={
+        "help": "apply a new expert placement only if it raises balancedness this much"})
     collect_step_breakdown: bool = field(default=False, metadata={
         "help": "time each step's phases (attention, experts, MoE communication, idle)"})
 
@@ -159,6 +161,7 @@ class EngineArgs:
                 window_size=self.eplb_window_size,
                 step_interval=self.eplb_step_interval,
                 log_balancedness=self.eplb_log_balancedness,
+                min_balancedness_gain=self.eplb_min_balancedness_gain,
             ),
             observability_config=ObservabilityConfig(
                 collect_step_breakdown=self.collect_step_breakdown),

@@ -8,7 +8,7 @@ same step on every rank. Schedule, with ``W = window_size`` and ``S = step_inter
 
 - every ``W`` steps: all-reduce the window's load, measure balancedness, log it if asked;
 - every ``S`` steps: plan a new placement from the window's logical load (planner.py) and,
-  if it raises balancedness by at least ``MIN_BALANCEDNESS_GAIN``, queue the layers whose
+  if it raises balancedness by at least ``min_balancedness_gain``, queue the layers whose
   placement changes;
 - while layers are queued: move one layer per step (its step waits for that move: the
   "stall"), and switch its maps only if every rank moved it; a failure anywhere abandons the
@@ -35,11 +35,6 @@ logger = logging.getLogger(__name__)
 
 # Measurements kept in EplbStats.history (sent to the frontend with every output batch).
 HISTORY_LEN = 32
-# A plan must raise balancedness by this much over the current placement to be applied:
-# moving a layer stalls one step, and chasing the noise of a good placement costs more
-# steps than it saves (measured: re-moving every layer every 16 steps to go from 0.98 to
-# 0.998 cost ~7 s of a 50 s run; see docs/BENCHMARKS.md).
-MIN_BALANCEDNESS_GAIN = 0.05
 
 
 class EplbController:
@@ -110,7 +105,7 @@ class EplbController:
         before = self._rank_balancedness(physical)
         planned = float(balancedness(rank_load(logical, new, count, self.num_ranks)).mean())
         self.stats.last_planned_balancedness = planned
-        if planned - before < MIN_BALANCEDNESS_GAIN:
+        if planned - before < self.config.min_balancedness_gain:
             if self.config.log_balancedness and self.rank == 0:
                 logger.info("EPLB step %d: keeping the placement (balancedness %.3f, a new "
                             "plan would reach %.3f)", self.step_count, before, planned)
