@@ -249,50 +249,43 @@ _DEEPSEEK_V3_SMALL_KWARGS: dict[str, Any] = {
     **SPECIAL_TOKEN_IDS,
 }
 
+_DEEPSEEK_V3_TINY = PresetSpec(
+    config_class="DeepseekV3Config",
+    model_class="DeepseekV3ForCausalLM",
+    config_kwargs=_DEEPSEEK_V3_TINY_KWARGS,
+    seed=0,
+    extra_config=_DEEPSEEK_V3_ROUTING,
+    description=_DEEPSEEK_V3_TINY_DESCRIPTION
+    + "; see deepseek-v3-tiny-skewed for unbalanced expert load",
+)
+_DEEPSEEK_V3_SMALL = PresetSpec(
+    config_class="DeepseekV3Config",
+    model_class="DeepseekV3ForCausalLM",
+    config_kwargs=_DEEPSEEK_V3_SMALL_KWARGS,
+    seed=0,
+    dtype="bfloat16",
+    extra_config=_DEEPSEEK_V3_ROUTING,
+    description=_DEEPSEEK_V3_SMALL_DESCRIPTION
+    + "; see deepseek-v3-small-skewed for unbalanced expert load",
+)
+
+
+def _skewed(twin: PresetSpec, description: str) -> PresetSpec:
+    """``twin`` with the default router skew (same config, seed and other weights)."""
+    return dataclasses.replace(
+        twin, router_skew=DEFAULT_ROUTER_SKEW,
+        description=description + _SKEWED_DESCRIPTION.format(skew=DEFAULT_ROUTER_SKEW),
+    )
+
+
 PRESETS: Mapping[str, PresetSpec] = MappingProxyType(
     {
-        "deepseek-v3-tiny": PresetSpec(
-            config_class="DeepseekV3Config",
-            model_class="DeepseekV3ForCausalLM",
-            config_kwargs=_DEEPSEEK_V3_TINY_KWARGS,
-            seed=0,
-            extra_config=_DEEPSEEK_V3_ROUTING,
-            description=_DEEPSEEK_V3_TINY_DESCRIPTION
-            + "; see deepseek-v3-tiny-skewed for unbalanced expert load",
-        ),
-        "deepseek-v3-small": PresetSpec(
-            config_class="DeepseekV3Config",
-            model_class="DeepseekV3ForCausalLM",
-            config_kwargs=_DEEPSEEK_V3_SMALL_KWARGS,
-            seed=0,
-            dtype="bfloat16",
-            extra_config=_DEEPSEEK_V3_ROUTING,
-            description=_DEEPSEEK_V3_SMALL_DESCRIPTION
-            + "; see deepseek-v3-small-skewed for unbalanced expert load",
-        ),
+        "deepseek-v3-tiny": _DEEPSEEK_V3_TINY,
+        "deepseek-v3-small": _DEEPSEEK_V3_SMALL,
         # Same weights as the twins above (same config and seed); only the score-correction
         # bias differs, which makes expert load unbalanced for EPLB tests and benchmarks.
-        "deepseek-v3-tiny-skewed": PresetSpec(
-            config_class="DeepseekV3Config",
-            model_class="DeepseekV3ForCausalLM",
-            config_kwargs=_DEEPSEEK_V3_TINY_KWARGS,
-            seed=0,
-            extra_config=_DEEPSEEK_V3_ROUTING,
-            router_skew=DEFAULT_ROUTER_SKEW,
-            description=_DEEPSEEK_V3_TINY_DESCRIPTION
-            + _SKEWED_DESCRIPTION.format(skew=DEFAULT_ROUTER_SKEW),
-        ),
-        "deepseek-v3-small-skewed": PresetSpec(
-            config_class="DeepseekV3Config",
-            model_class="DeepseekV3ForCausalLM",
-            config_kwargs=_DEEPSEEK_V3_SMALL_KWARGS,
-            seed=0,
-            dtype="bfloat16",
-            extra_config=_DEEPSEEK_V3_ROUTING,
-            router_skew=DEFAULT_ROUTER_SKEW,
-            description=_DEEPSEEK_V3_SMALL_DESCRIPTION
-            + _SKEWED_DESCRIPTION.format(skew=DEFAULT_ROUTER_SKEW),
-        ),
+        "deepseek-v3-tiny-skewed": _skewed(_DEEPSEEK_V3_TINY, _DEEPSEEK_V3_TINY_DESCRIPTION),
+        "deepseek-v3-small-skewed": _skewed(_DEEPSEEK_V3_SMALL, _DEEPSEEK_V3_SMALL_DESCRIPTION),
         "deepseek-v2-tiny": PresetSpec(
             config_class="DeepseekV2Config",
             model_class="DeepseekV2ForCausalLM",

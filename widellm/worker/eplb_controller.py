@@ -64,17 +64,22 @@ class EplbController:
         if self.pending:
             self._move_next_layer()
         else:
-            if self.step_count % self.config.window_size == 0:
-                self._measure()
-            if self.step_count % self.config.step_interval == 0:
-                self._plan()
+            measure = self.step_count % self.config.window_size == 0
+            plan = self.step_count % self.config.step_interval == 0
+            if measure or plan:
+                # One all-reduce serves both when a window and an interval end together.
+                physical = self._global_physical_load()
+                if measure:
+                    self._measure(physical)
+                if plan:
+                    self._plan(physical)
         self.recorder.step()
 
     # ---- measuring and planning --------------------------------------------------------
 
     def _global_physical_load(self) -> torch.Tensor:
         """``[layers, P]`` tokens per physical slot over the window, summed over all ranks."""
-        load = self.recorder.window_load().clone()
+        load = self.recorder.window_load()  # a fresh tensor: safe to reduce in place
         dist.all_reduce(load, group=self.group)
         return load.cpu()
 
@@ -82,8 +87,8 @@ class EplbController:
         per_rank = physical_load.view(len(self.layers), self.num_ranks, -1).sum(-1)
         return float(balancedness(per_rank.double()).mean())
 
-    def _measure(self) -> None:
-        value = self._rank_balancedness(self._global_physical_load())
+    def _measure(self, physical: torch.Tensor) -> None:
+        value = self._rank_balancedness(physical)
         s = self.stats
         if s.num_measurements == 0:
             s.initial_balancedness = value
@@ -93,8 +98,7 @@ class EplbController:
         if self.config.log_balancedness and self.rank == 0:
             logger.info("EPLB step %d: balancedness %.3f", self.step_count, value)
 
-    def _plan(self) -> None:
-        physical = self._global_physical_load()
+    def _plan(self, physical: torch.Tensor) -> None:
         old = torch.stack([m.placement.phys_to_logical.cpu() for m in self.layers])
         logical = torch.zeros(len(self.layers), self.num_logical, dtype=physical.dtype)
         logical.scatter_add_(1, old, physical)
