@@ -5,6 +5,8 @@ import torch
 
 from widellm.sampling_params import SamplingParams
 from widellm.worker.sampler import (
+    ARGMAX_CHUNK,
+    row_argmax,
     Sampler,
     apply_min_p,
     apply_penalties,
@@ -451,3 +453,18 @@ def test_min_tokens_masks_random_rows():
         torch.manual_seed(5)
         tokens = sample(logits, md).sampled_token_ids
     assert set(tokens.tolist()) == {0, 2}
+
+
+@pytest.mark.parametrize("vocab", [7, ARGMAX_CHUNK * 3, ARGMAX_CHUNK * 3 + 5, 50257])
+def test_row_argmax_matches_torch_argmax_including_ties(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    # Few distinct values: many ties within and across chunks, and in the tail.
+    x = torch.randint(0, 4, (9, vocab), generator=gen).float()
+    x[0] = 0.0  # all tied: index 0
+    x[1, -1] = 10.0  # max only in the tail (or last chunk)
+    x[2, ARGMAX_CHUNK - 1 if vocab > ARGMAX_CHUNK else 0] = 10.0
+    x[2, -1] = 10.0  # tie between an early chunk and the tail: the early one wins
+    expected = x.argmax(dim=-1)
+    assert row_argmax(x).tolist() == expected.tolist()
+    assert row_argmax(x.bfloat16()).tolist() == x.bfloat16().argmax(dim=-1).tolist()
+    assert row_argmax(x)[0] == 0

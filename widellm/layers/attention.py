@@ -14,6 +14,7 @@ from torch import nn
 
 from widellm.forward_context import get_forward_context
 from widellm.layers.attention_metadata import AttentionMetadata
+from widellm.ops.cpu_attention import paged_decode_attention
 
 
 def store_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
@@ -50,7 +51,14 @@ class Attention(nn.Module):
         store_to_cache(v_cache, md.slot_mapping, v)
         out = torch.empty_like(q)
 
-        if md.num_decodes:
+        if md.num_decodes and md.decode_block_table is not None:
+            d = md.num_decodes
+            # Query heads of one KV group are adjacent (head h reads KV head h // G).
+            qg = q[:d].view(d, self.num_kv_heads, -1, self.head_dim)
+            o = paged_decode_attention(qg, self.kv_cache[0], self.kv_cache[1],
+                                       md.decode_block_table, md.decode_seq_lens, self.scale)
+            out[:d] = o.view(d, self.num_heads, self.head_dim)
+        elif md.num_decodes:
             d = md.num_decodes
             kd = gather_from_cache(k_cache, md.decode_slots).transpose(1, 2)  # [D, Hkv, L, Dh]
             vd = gather_from_cache(v_cache, md.decode_slots).transpose(1, 2)

@@ -2,7 +2,10 @@
 and shared by every layer.
 
 The batch is flattened without padding: decode requests (one query token) first, then prefill
-chunks. Decodes are batched into one padded attention call; each prefill chunk gets its own.
+chunks. Decodes are batched into one call; each prefill chunk gets its own. Decodes come in
+one of two forms: the block table and lengths, for a kernel that reads the paged cache in place
+(``decode_block_table``), or a padded slot matrix and mask, for the gather-then-attend torch
+path (``decode_slots``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # [D, L] cache slot per context position (0 past the end)
     decode_mask: torch.Tensor | None  # [D, 1, 1, L] True where position < seq_len
     prefills: list[PrefillSeq]
+    # In-place decode form (instead of decode_slots/mask): [D, max_blocks] int64 block ids and
+    # [D] int64 context lengths.
+    decode_block_table: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
     # [T] bool, True for padding rows (dummy batches): MoE layers give them expert id -1.
     # None when the batch has no padding.
     padding_mask: torch.Tensor | None = None
@@ -50,11 +57,13 @@ def build_attention_metadata(
     positions: np.ndarray,
     block_table: np.ndarray,
     block_size: int,
+    decode_in_place: bool = False,
 ) -> AttentionMetadata:
     """query_lens/context_lens [B] (context = cached + new tokens after this step),
     positions [T] of the batch's tokens,
     block_table [B, max_blocks] physical block ids. Rows with query_len 1 come first; the
-    rows after the first longer query are all treated as prefill chunks."""
+    rows after the first longer query are all treated as prefill chunks. ``decode_in_place``
+    gives decodes the block-table form (see the module docstring)."""
     num_reqs = len(query_lens)
     # A one-token query is a decode whatever its origin (a prompt's last chunk can be one).
     is_decode = query_lens == 1
@@ -67,8 +76,12 @@ def build_attention_metadata(
     req_index = np.repeat(np.arange(num_reqs), query_lens)
     slot_mapping = block_table[req_index, positions // block_size] * block_size + positions % block_size
 
-    decode_slots = decode_mask = None
-    if num_decodes:
+    decode_slots = decode_mask = decode_block_table = decode_seq_lens = None
+    if num_decodes and decode_in_place:
+        decode_block_table = torch.from_numpy(
+            np.ascontiguousarray(block_table[:num_decodes], dtype=np.int64))
+        decode_seq_lens = torch.from_numpy(context_lens[:num_decodes].astype(np.int64))
+    elif num_decodes:
         ctx = context_lens[:num_decodes]
         # Padded to a bucket so the batched matmuls see few distinct shapes (CPU GEMM
         # libraries build a kernel per shape); masked positions cost little.
@@ -104,6 +117,8 @@ def build_attention_metadata(
         decode_slots=decode_slots,
         decode_mask=decode_mask,
         prefills=prefills,
+        decode_block_table=decode_block_table,
+        decode_seq_lens=decode_seq_lens,
     )
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from widellm.forward_context import get_forward_context
 from widellm.layers.attention import gather_from_cache, store_to_cache
 from widellm.layers.attention_metadata import AttentionMetadata
+from widellm.ops.cpu_attention import paged_decode_attention
 
 
 class MLAAttention(nn.Module):
@@ -65,7 +66,10 @@ class MLAAttention(nn.Module):
         cache = self.kv_cache.flatten(0, 1)  # [slots, kv_lora + rope]
         store_to_cache(cache, md.slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
-        if md.num_decodes:
+        if md.num_decodes and md.decode_block_table is not None:
+            d = md.num_decodes
+            out[:d] = self._decode_in_place(q[:d], md.decode_block_table, md.decode_seq_lens)
+        elif md.num_decodes:
             d = md.num_decodes
             out[:d] = self._decode_absorbed(q[:d], gather_from_cache(cache, md.decode_slots),
                                             md.decode_mask)
@@ -101,6 +105,23 @@ class MLAAttention(nn.Module):
         )
         return o.squeeze(0).transpose(0, 1)[..., : self.v_head_dim]
 
+    def _absorb_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q [D, H, nope+rope] -> [D, H, kv_lora+rope]: q_nope folded through W_UK."""
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D, H, kv_lora]
+        return torch.cat([q_lat, q_pe], dim=-1)
+
+    def _decode_in_place(
+        self, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """q [D, H, nope+rope] -> [D, H, v], reading the latent cache in place: one shared
+        576-wide key head for all H query heads, values = its first kv_lora_rank columns."""
+        cache = self.kv_cache.unsqueeze(2)  # [num_blocks, block_size, 1, kv_lora+rope]
+        q_cat = self._absorb_query(q).unsqueeze(1)  # [D, 1, H, kv_lora+rope]
+        o_lat = paged_decode_attention(q_cat, cache, cache[..., : self.kv_lora_rank],
+                                       block_table, seq_lens, self.scale)
+        return torch.bmm(o_lat.squeeze(1).transpose(0, 1), self.w_uv_t).transpose(0, 1)
+
     def _decode_absorbed(
         self, q: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
@@ -108,9 +129,7 @@ class MLAAttention(nn.Module):
 
         All H query heads share one latent "key head", so scores are a plain batched matmul
         with H as the row dimension (no per-head expansion of the context)."""
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [D, H, kv_lora]
-        q_cat = torch.cat([q_lat, q_pe], dim=-1)  # [D, H, kv_lora+rope]
+        q_cat = self._absorb_query(q)  # [D, H, kv_lora+rope]
         scores = torch.bmm(q_cat, ctx.transpose(1, 2)).float() * self.scale  # [D, H, L]
         scores.masked_fill_(~mask[:, 0], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(ctx.dtype)

@@ -19,6 +19,7 @@ from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.attention_metadata import build_attention_metadata, dummy_attention_metadata
 from widellm.layers.moe.layer import FusedMoE
 from widellm.model.loader import build_model
+from widellm.ops.cpu_attention import load_cpu_kernels
 from widellm.step_timer import StepTimer, maybe_phase
 from widellm.worker.cpu_allocator import keep_freed_memory
 from widellm.worker.eplb_controller import EplbController
@@ -46,6 +47,9 @@ class ModelRunner:
         # Seeded generators outlive preemption so a recomputed request keeps its stream.
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # Decode attention reads the paged cache in place where the CPU kernel is available;
+        # otherwise it gathers each context and runs torch attention (the reference path).
+        self.decode_in_place = not torch.cuda.is_available() and load_cpu_kernels() is not None
         self.step_timer = step_timer
         self.eplb: EplbController | None = None
         if ep is not None and ep.enable_eplb:
@@ -72,7 +76,7 @@ class ModelRunner:
         batch = build_batch_inputs(self.states, so.num_scheduled_tokens)
         md = build_attention_metadata(
             batch.query_lens, batch.context_lens, batch.positions, batch.block_table,
-            self.block_size,
+            self.block_size, self.decode_in_place,
         )
         timer = self.step_timer
         self._before_forward()

@@ -22,6 +22,8 @@ from widellm.worker.sampling_metadata import SamplingMetadata
 
 # How many of the most likely tokens top-p examines before falling back to a full sort.
 TOP_P_CANDIDATES = 1024
+# Width of the slices `row_argmax` takes maxima over.
+ARGMAX_CHUNK = 1024
 
 
 @dataclass
@@ -49,6 +51,27 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] -> [B] int64: the first index of each row's maximum, as ``x.argmax(-1)``.
+
+    torch's CPU argmax over a long row is a scalar loop (~4 ms for 64 x 49k fp32 here) while
+    max-reductions are vectorized (~0.4 ms): take the max of each ``ARGMAX_CHUNK`` slice, pick
+    the first slice holding the row's max, and take argmax only inside it."""
+    B, V = x.shape
+    n = V // ARGMAX_CHUNK
+    if x.is_cuda or n < 2 or not x.is_contiguous():
+        return x.argmax(dim=-1)
+    body = x[:, : n * ARGMAX_CHUNK].view(B, n, ARGMAX_CHUNK)
+    chunk_max = body.amax(dim=-1)  # [B, n]
+    best_max, best_chunk = chunk_max.max(dim=-1)  # first chunk with the max
+    rows = torch.arange(B, device=x.device)
+    idx = best_chunk * ARGMAX_CHUNK + body[rows, best_chunk].argmax(dim=-1)
+    if n * ARGMAX_CHUNK < V:
+        tail_max, tail_idx = x[:, n * ARGMAX_CHUNK:].max(dim=-1)
+        idx = torch.where(tail_max > best_max, n * ARGMAX_CHUNK + tail_idx, idx)
+    return idx
+
+
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V], any float dtype; may be modified in place (the caller's buffer is
@@ -60,7 +83,7 @@ class Sampler(nn.Module):
             and not md.stop_token_ids_to_mask
             and md.max_num_logprobs is None
         ):
-            return SamplerOutput(logits.argmax(dim=-1), None)
+            return SamplerOutput(row_argmax(logits), None)
 
         raw_logprobs = compute_logprobs(logits) if md.max_num_logprobs is not None else None
         logits = logits.to(torch.float32)
@@ -78,7 +101,7 @@ class Sampler(nn.Module):
         """logits: [B, V] fp32 after penalties (modified in place) -> [B] int64 token ids."""
         greedy_ids = None
         if not md.all_random:
-            greedy_ids = logits.argmax(dim=-1)
+            greedy_ids = row_argmax(logits)
             if md.all_greedy:
                 return greedy_ids
 
@@ -264,7 +287,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
         fill_exponential_(q)
     for row, generator in generators.items():
         fill_exponential_(q[row], generator)
-    return probs.div_(q).argmax(dim=-1)
+    return row_argmax(probs.div_(q))
 
 
 def fill_exponential_(q: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -1,0 +1,144 @@
+"""The in-place paged decode kernel vs its torch reference twin, and the attention layers'
+two decode forms (block table vs gathered slots) against each other."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from widellm.forward_context import set_forward_context
+from widellm.layers.attention import Attention
+from widellm.layers.attention_metadata import build_attention_metadata
+from widellm.ops.cpu_attention import (
+    ENV_DISABLE, load_cpu_kernels, paged_decode_attention, paged_decode_attention_reference,
+)
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    if os.environ.get(ENV_DISABLE) == "0":
+        pytest.skip(f"{ENV_DISABLE}=0")
+    # Not a skip otherwise: a machine that should build the kernel and cannot is a failure.
+    assert load_cpu_kernels() is not None
+
+
+def _case(batch, kv_heads, group, dk, dv, dtype, seed=0, shared_v=False):
+    """Random cache and queries; block tables whose unused tail points at a NaN-filled block,
+    so any read past a sequence's length shows up in the output."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, dk, generator=gen).to(dtype)
+    v = k[..., :dv] if shared_v else torch.randn(
+        NUM_BLOCKS, BLOCK_SIZE, kv_heads, dv, generator=gen).to(dtype)
+    poison = NUM_BLOCKS - 1
+    k[poison] = float("nan")
+    if not shared_v:
+        v[poison] = float("nan")
+    seq_lens = torch.tensor([1, 3, 4, 5, 17, 9, 12, 2][:batch], dtype=torch.int64)
+    max_blocks = 6
+    perm = torch.randperm(NUM_BLOCKS - 1, generator=gen)[: batch * max_blocks]
+    block_table = perm.view(batch, max_blocks).clone()
+    for b, n in enumerate(seq_lens.tolist()):
+        block_table[b, -(-n // BLOCK_SIZE):] = poison
+    q = torch.randn(batch, kv_heads, group, dk, generator=gen).to(dtype)
+    return q, k, v, block_table, seq_lens
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+# Head sizes off and on the 16-lane path; group sizes off and on its four-row passes.
+@pytest.mark.parametrize("kv_heads,group,dk,dv", [
+    (1, 1, 8, 8), (2, 3, 16, 16), (3, 1, 20, 20), (2, 5, 64, 64), (1, 6, 80, 64),
+])
+def test_kernel_matches_reference(dtype, atol, kv_heads, group, dk, dv):
+    q, k, v, bt, lens = _case(8, kv_heads, group, dk, dv, dtype)
+    out = paged_decode_attention(q, k, v, bt, lens, 0.3)
+    ref = paged_decode_attention_reference(q, k, v, bt, lens, 0.3)
+    assert out.shape == (8, kv_heads, group, dv) and out.dtype == dtype
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
+
+
+def test_kernel_mla_shape_values_are_a_view_of_keys():
+    """MLA decode: one latent "head" shared by all query heads, V = the first dv columns."""
+    q, k, v, bt, lens = _case(5, 1, 6, 24, 16, torch.float32, seed=3, shared_v=True)
+    out = paged_decode_attention(q, k, v, bt, lens, 0.2)
+    ref = paged_decode_attention_reference(q, k, v, bt, lens, 0.2)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=0)
+
+
+def test_single_token_context_returns_its_value():
+    q, k, v, bt, lens = _case(1, 2, 3, 8, 8, torch.float32)
+    assert lens.tolist() == [1]
+    out = paged_decode_attention(q, k, v, bt, lens, 1.0)
+    expected = v[bt[0, 0], 0][:, None, :].expand(2, 3, 8)
+    torch.testing.assert_close(out[0], expected, atol=0, rtol=0)
+
+
+def _metadata(context_lens, block_table, in_place):
+    n = len(context_lens)
+    return build_attention_metadata(
+        np.ones(n, dtype=np.int64), np.array(context_lens), np.array(context_lens) - 1,
+        block_table, BLOCK_SIZE, decode_in_place=in_place,
+    )
+
+
+def test_metadata_in_place_form():
+    bt = np.arange(12, dtype=np.int64).reshape(3, 4)
+    md = _metadata([5, 1, 16], bt, True)
+    assert md.decode_slots is None and md.decode_mask is None
+    assert md.decode_block_table.tolist() == bt.tolist()
+    assert md.decode_seq_lens.tolist() == [5, 1, 16]
+    assert md.slot_mapping.tolist() == [1 * 4 + 0, 4 * 4 + 0, 11 * 4 + 3]
+    ref = _metadata([5, 1, 16], bt, False)
+    assert ref.decode_block_table is None and ref.decode_slots.shape == (3, 64)
+
+
+def test_attention_layer_decode_forms_agree():
+    """The same decode step through Attention with either metadata form."""
+    heads, kv_heads, dim = 6, 2, 8
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim, generator=gen)
+    context_lens = [7, 1, 13, 4]
+    bt = torch.randperm(NUM_BLOCKS, generator=gen)[:16].view(4, 4).numpy()
+    q = torch.randn(4, heads, dim, generator=gen)
+    k = torch.randn(4, kv_heads, dim, generator=gen)
+    v = torch.randn(4, kv_heads, dim, generator=gen)
+    outs = []
+    for in_place in (True, False):
+        layer = Attention(heads, dim, kv_heads, scale=dim ** -0.5)
+        layer.kv_cache = cache.clone()
+        with set_forward_context(_metadata(context_lens, bt, in_place)):
+            outs.append(layer(q, k, v))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-6, rtol=0)
+
+
+def test_mla_layer_decode_forms_agree():
+    """MLA decode (absorbed weights) with either metadata form."""
+    from torch import nn
+
+    from widellm.layers.mla import MLAAttention
+
+    heads, nope, rope, v_dim, lora = 4, 8, 4, 6, 12
+    gen = torch.Generator().manual_seed(6)
+    kv_b = nn.Linear(lora, heads * (nope + v_dim), bias=False)
+    with torch.no_grad():
+        kv_b.weight.copy_(torch.randn(kv_b.weight.shape, generator=gen) * 0.3)
+    cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, lora + rope, generator=gen)
+    context_lens = [9, 1, 6]
+    bt = torch.randperm(NUM_BLOCKS, generator=gen)[:9].view(3, 3).numpy()
+    q = torch.randn(3, heads, nope + rope, generator=gen)
+    kv_c = torch.randn(3, lora, generator=gen)
+    k_pe = torch.randn(3, rope, generator=gen)
+    outs = []
+    for in_place in (True, False):
+        layer = MLAAttention(heads, nope, rope, v_dim, lora, 0.25, kv_b)
+        layer.process_weights_after_loading()
+        layer.kv_cache = cache.clone()
+        with set_forward_context(_metadata(context_lens, bt, in_place)):
+            outs.append(layer(q, kv_c, k_pe))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)

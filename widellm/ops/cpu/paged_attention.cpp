@@ -1,0 +1,264 @@
+// Paged decode attention for CPUs: one query token per sequence, keys and values read in
+// place from the paged cache (no gathered copy of the context).
+//
+//   out[b, h, g, :Dv] = softmax_l(scale * q[b, h, g, :Dk] . K[slot(b, l), h, :Dk]) V[slot(b, l), h, :Dv]
+//   slot(b, l) = block_table[b, l / block_size] * block_size + l % block_size,  l < seq_lens[b]
+//
+// h is the KV head and g indexes the query heads that share it (grouped-query attention; MLA
+// decode is Hkv = 1 with every query head in g and V a prefix of the latent K row). Each
+// K row is scored by its G query rows while it is in cache, so every K and V row is read
+// once per step. Accumulation is in fp32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline void row_to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+#if defined(__AVX512F__)
+// bf16 is the top half of an fp32: widen 16 of them at a time.
+template <>
+inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
+  }
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+#endif
+
+// Ask for the next block while this one is computed: blocks of a sequence are scattered over
+// the pool, so the hardware prefetcher cannot guess where the next one starts.
+constexpr int64_t kCacheLine = 64;
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += kCacheLine) __builtin_prefetch(c + i);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out[g * ld + j] = q[g] . k[j] for g < G, j < n.  q [G, D], k [n, D] fp32.
+inline void score_rows(const float* q, const float* k, int64_t G, int64_t n, int64_t D,
+                       float* out, int64_t ld) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    // Four K rows per pass: four independent FMA chains share each load of q.
+    for (; j + 4 <= n; j += 4) {
+      const float* k0 = k + j * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 vq = _mm512_loadu_ps(qg + d);
+          a0 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + d), a0);
+          a1 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + D + d), a1);
+          a2 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + 2 * D + d), a2);
+          a3 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + 3 * D + d), a3);
+        }
+        float* o = out + g * ld + j;
+        o[0] = _mm512_reduce_add_ps(a0);
+        o[1] = _mm512_reduce_add_ps(a1);
+        o[2] = _mm512_reduce_add_ps(a2);
+        o[3] = _mm512_reduce_add_ps(a3);
+      }
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    for (int64_t g = 0; g < G; ++g) out[g * ld + j] = dot(q + g * D, k + j * D, D);
+  }
+}
+
+// acc[g] += sum_j p[g * ld + j] * v[j] for g < G.  v [n, D], acc [G, D] fp32.
+inline void accumulate_rows(const float* p, int64_t ld, const float* v, int64_t G, int64_t n,
+                            int64_t D, float* acc) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* pg = p + g * ld;
+    float* ag = acc + g * D;
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    // Accumulators stay in registers across the n rows: 64 columns (four chains) at a time.
+    for (; d + 64 <= D; d += 64) {
+      __m512 a0 = _mm512_loadu_ps(ag + d), a1 = _mm512_loadu_ps(ag + d + 16);
+      __m512 a2 = _mm512_loadu_ps(ag + d + 32), a3 = _mm512_loadu_ps(ag + d + 48);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 vp = _mm512_set1_ps(pg[j]);
+        const float* vj = v + j * D + d;
+        a0 = _mm512_fmadd_ps(vp, _mm512_loadu_ps(vj), a0);
+        a1 = _mm512_fmadd_ps(vp, _mm512_loadu_ps(vj + 16), a1);
+        a2 = _mm512_fmadd_ps(vp, _mm512_loadu_ps(vj + 32), a2);
+        a3 = _mm512_fmadd_ps(vp, _mm512_loadu_ps(vj + 48), a3);
+      }
+      _mm512_storeu_ps(ag + d, a0);
+      _mm512_storeu_ps(ag + d + 16, a1);
+      _mm512_storeu_ps(ag + d + 32, a2);
+      _mm512_storeu_ps(ag + d + 48, a3);
+    }
+    for (; d + 16 <= D; d += 16) {
+      __m512 a = _mm512_loadu_ps(ag + d);
+      for (int64_t j = 0; j < n; ++j) {
+        a = _mm512_fmadd_ps(_mm512_set1_ps(pg[j]), _mm512_loadu_ps(v + j * D + d), a);
+      }
+      _mm512_storeu_ps(ag + d, a);
+    }
+#endif
+    for (; d < D; ++d) {
+      float a = ag[d];
+      for (int64_t j = 0; j < n; ++j) a += pg[j] * v[j * D + d];
+      ag[d] = a;
+    }
+  }
+}
+
+template <typename T>
+void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                   const torch::Tensor& v_cache, const torch::Tensor& block_table,
+                   const torch::Tensor& seq_lens, double scale) {
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), Dk = q.size(3);
+  const int64_t Dv = v_cache.size(3);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t max_blocks = block_table.size(1);
+  // Element strides of the caches: [num_blocks, block_size, Hkv, D].
+  const int64_t ks_blk = k_cache.stride(0), ks_pos = k_cache.stride(1), ks_h = k_cache.stride(2);
+  const int64_t vs_blk = v_cache.stride(0), vs_pos = v_cache.stride(1), vs_h = v_cache.stride(2);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* bt = block_table.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  // One task per sequence, walked one block at a time: the block's rows of a KV head are
+  // widened to fp32 once, then scored by (and accumulated for) the G query heads sharing it.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    const int64_t HG = H * G;
+    std::vector<float> qf(HG * Dk), kbuf(block_size * Dk), vbuf(block_size * Dv), acc(HG * Dv);
+    std::vector<float> scores;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t L = lens[b];
+      const int64_t* blocks = bt + b * max_blocks;
+      const T* qrow = qp + b * HG * Dk;
+      for (int64_t i = 0; i < HG * Dk; ++i) qf[i] = to_float(qrow[i]) * fscale;
+      scores.assign(HG * L, 0.f);  // [H * G, L]
+      std::fill(acc.begin(), acc.end(), 0.f);
+
+      for (int64_t l0 = 0; l0 < L; l0 += block_size) {
+        const int64_t n = std::min(block_size, L - l0);
+        const T* kblock = kp + blocks[l0 / block_size] * ks_blk;
+        if (l0 + block_size < L) {
+          prefetch_bytes(kp + blocks[l0 / block_size + 1] * ks_blk, block_size * ks_pos * sizeof(T));
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t j = 0; j < n; ++j) {
+            row_to_float(kblock + j * ks_pos + h * ks_h, kbuf.data() + j * Dk, Dk);
+          }
+          score_rows(qf.data() + h * G * Dk, kbuf.data(), G, n, Dk,
+                     scores.data() + h * G * L + l0, L);
+        }
+      }
+      for (int64_t hg = 0; hg < HG && L > 0; ++hg) {
+        float* sc = scores.data() + hg * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t l = 0; l < L; ++l) m = std::max(m, sc[l]);
+        float sum = 0.f;
+        for (int64_t l = 0; l < L; ++l) {
+          sc[l] = std::exp(sc[l] - m);
+          sum += sc[l];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t l = 0; l < L; ++l) sc[l] *= inv;
+      }
+      for (int64_t l0 = 0; l0 < L; l0 += block_size) {
+        const int64_t n = std::min(block_size, L - l0);
+        const T* vblock = vp + blocks[l0 / block_size] * vs_blk;
+        if (l0 + block_size < L) {
+          prefetch_bytes(vp + blocks[l0 / block_size + 1] * vs_blk, block_size * vs_pos * sizeof(T));
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t j = 0; j < n; ++j) {
+            row_to_float(vblock + j * vs_pos + h * vs_h, vbuf.data() + j * Dv, Dv);
+          }
+          accumulate_rows(scores.data() + h * G * L + l0, L, vbuf.data(), G, n, Dv,
+                          acc.data() + h * G * Dv);
+        }
+      }
+      T* orow = op + b * HG * Dv;
+      for (int64_t i = 0; i < HG * Dv; ++i) orow[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, Hkv, G, Dk] contiguous; k_cache [num_blocks, block_size, Hkv, Dk] and v_cache
+// [num_blocks, block_size, Hkv, Dv] with unit stride in the last dim (v may be a view into the
+// same storage as k); block_table [B, max_blocks] int64; seq_lens [B] int64.
+// Returns [B, Hkv, G, Dv] in q's dtype.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_table,
+                                     torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, "expected 4-D q and caches");
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and caches must share a dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(3), "q and k head sizes differ");
+  TORCH_CHECK(k_cache.size(2) == q.size(1) && v_cache.size(2) == q.size(1), "KV head counts differ");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt64 && block_table.is_contiguous(),
+              "block_table must be contiguous int64");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous(),
+              "seq_lens must be contiguous int64");
+  TORCH_CHECK(block_table.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "batch sizes differ");
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), v_cache.size(3)}, q.options());
+  switch (q.scalar_type()) {
+    case torch::kFloat32:
+      decode_kernel<float>(out, q, k_cache, v_cache, block_table, seq_lens, scale);
+      break;
+    case torch::kBFloat16:
+      decode_kernel<at::BFloat16>(out, q, k_cache, v_cache, block_table, seq_lens, scale);
+      break;
+    case torch::kFloat16:
+      decode_kernel<at::Half>(out, q, k_cache, v_cache, block_table, seq_lens, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention reading K/V in place (CPU)");
+}
