@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from widellm.distributed.ep_context import ExpertParallelContext
+from widellm.layers.linear import pack_linear_weights
 from widellm.model.registry import get_model_class
 from widellm.model.weight_utils import process_weights_after_loading, remote_expert_filter
 
@@ -93,7 +94,8 @@ def build_model(
 ) -> nn.Module:
     """Instantiate the architecture in ``dtype`` (routers stay fp32) and load the weights.
     With ``ep``, MoE models hold and read only this rank's routed experts; dense models have
-    nothing to split and ignore it."""
+    nothing to split and ignore it. bf16 ``nn.Linear`` weights on CPU end up prepacked for
+    oneDNN (``$WIDELLM_CPU_PACKED_LINEAR=0`` keeps them plain)."""
     cls = get_model_class(hf_config.architectures[0])
     kwargs = {"ep": ep} if ep is not None and "ep" in inspect.signature(cls).parameters else {}
     previous = torch.get_default_dtype()
@@ -105,6 +107,8 @@ def build_model(
     with torch.no_grad():
         model.load_weights(iterate_weights(path, skip=remote_expert_filter(model)))
     process_weights_after_loading(model)
+    # Last: the hooks above may still read Linear weights; packing frees them.
+    pack_linear_weights(model)
     return model.eval()
 
 
