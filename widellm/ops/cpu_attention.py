@@ -87,7 +87,8 @@ def paged_decode_attention_reference(
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """Same contract as :func:`paged_decode_attention`, in plain torch: gather each sequence's
-    context, then masked softmax attention in fp32."""
+    context, then masked softmax attention in fp32 (fp64 for fp64 inputs: a ground truth for
+    tests)."""
     B, Hkv, G, _ = q.shape
     block_size = k_cache.shape[1]
     L = int(seq_lens.max()) if B else 0
@@ -95,11 +96,12 @@ def paged_decode_attention_reference(
     blocks = block_table[:, (pos // block_size).clamp(max=block_table.shape[1] - 1)]  # [B, L]
     k = k_cache[blocks, pos % block_size]  # [B, L, Hkv, Dk]
     v = v_cache[blocks, pos % block_size]  # [B, L, Hkv, Dv]
-    scores = torch.einsum("bhgd,blhd->bhgl", q.float(), k.float()) * scale
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("bhgd,blhd->bhgl", q.to(acc), k.to(acc)) * scale
     valid = pos[None, :] < seq_lens[:, None]  # [B, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # Rows past a sequence's end hold whatever the padding blocks hold: zero them, since a
     # zero probability times a non-finite value would still poison the sum.
-    v = v.float().masked_fill(~valid[:, :, None, None], 0.0)
+    v = v.to(acc).masked_fill(~valid[:, :, None, None], 0.0)
     return torch.einsum("bhgl,blhd->bhgd", probs, v).to(q.dtype)

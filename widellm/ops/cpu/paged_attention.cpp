@@ -60,6 +60,58 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += kCacheLine) __builtin_prefetch(c + i);
 }
 
+#if defined(__AVX512F__)
+// exp of 16 lanes: 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor
+// series to r^6 (truncation < 2e-7 relative). Inputs are clamped to exp's finite fp32 range;
+// softmax only feeds it x - max <= 0, where e^-88 and below count as 0 next to the sum >= 1.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - k ln2, with ln2 split in two so k * ln2_hi is exact.
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+// s[:n] <- softmax(s[:n]), n >= 1.
+inline void softmax_inplace(float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  float sum = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + i));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 vmax = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmax));
+    _mm512_storeu_ps(s + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  const float inv = 1.f / sum;
+  for (i = 0; i < n; ++i) s[i] *= inv;
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
@@ -187,18 +239,7 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
                      scores.data() + h * G * L + l0, L);
         }
       }
-      for (int64_t hg = 0; hg < HG && L > 0; ++hg) {
-        float* sc = scores.data() + hg * L;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t l = 0; l < L; ++l) m = std::max(m, sc[l]);
-        float sum = 0.f;
-        for (int64_t l = 0; l < L; ++l) {
-          sc[l] = std::exp(sc[l] - m);
-          sum += sc[l];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t l = 0; l < L; ++l) sc[l] *= inv;
-      }
+      for (int64_t hg = 0; hg < HG && L > 0; ++hg) softmax_inplace(scores.data() + hg * L, L);
       for (int64_t l0 = 0; l0 < L; l0 += block_size) {
         const int64_t n = std::min(block_size, L - l0);
         const T* vblock = vp + blocks[l0 / block_size] * vs_blk;
