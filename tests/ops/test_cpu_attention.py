@@ -159,3 +159,17 @@ def test_kernel_long_context_peaked_scores():
         ref = paged_decode_attention_reference(q.double(), k.double(), v.double(), block_table,
                                                seq_lens, scale)
         torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch,expected", [
+    ("LlamaForCausalLM", True), ("Qwen3MoeForCausalLM", True),
+    ("DeepseekV3ForCausalLM", False),  # MLA keeps the gather + bmm form (see MLAAttention)
+])
+def test_model_runner_picks_decode_form(arch, expected, model_dir):
+    from widellm import LLM
+
+    llm = LLM(model_dir(arch), num_kv_blocks=64, max_model_len=256)
+    try:
+        assert llm.llm_engine.engine_core.model_runner.decode_in_place is expected
+    finally:
+        llm.shutdown()

@@ -47,9 +47,15 @@ class ModelRunner:
         # Seeded generators outlive preemption so a recomputed request keeps its stream.
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
-        # Decode attention reads the paged cache in place where the CPU kernel is available;
-        # otherwise it gathers each context and runs torch attention (the reference path).
-        self.decode_in_place = not torch.cuda.is_available() and load_cpu_kernels() is not None
+        # Decode attention reads the paged cache in place where the CPU kernel is available and
+        # every attention layer prefers it; otherwise it gathers each context and runs torch
+        # attention (the reference path).
+        attn = [m for m in self.model.modules() if hasattr(m, "prefers_in_place_decode")]
+        self.decode_in_place = (
+            not torch.cuda.is_available()
+            and all(m.prefers_in_place_decode for m in attn)
+            and load_cpu_kernels() is not None
+        )
         self.step_timer = step_timer
         self.eplb: EplbController | None = None
         if ep is not None and ep.enable_eplb:
