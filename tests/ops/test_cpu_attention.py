@@ -12,9 +12,8 @@ import torch
 from widellm.forward_context import set_forward_context
 from widellm.layers.attention import Attention
 from widellm.layers.attention_metadata import build_attention_metadata
-from widellm.ops.cpu_attention import (
-    ENV_DISABLE, load_cpu_kernels, paged_decode_attention, paged_decode_attention_reference,
-)
+from widellm.ops.cpu_attention import paged_decode_attention, paged_decode_attention_reference
+from widellm.ops.cpu_kernels import ENV_DISABLE, load_cpu_kernels
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

@@ -6,8 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from widellm.ops.cpu_kernels import reduced_precision_kernels
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU gate, ``[..., 2 * I] -> [..., I]``: the fused CPU kernel for bf16/fp16 rows (one
+    pass instead of two ops and a temporary), else :func:`silu_and_mul_reference`."""
+    kernels = reduced_precision_kernels(x)
+    if kernels is not None and x.dim() == 2 and x.stride(-1) == 1:
+        return kernels.silu_and_mul(x)
+    if kernels is not None and x.is_contiguous():  # e.g. the masked experts' [E, P, 2I]
+        return kernels.silu_and_mul(x.view(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+    return silu_and_mul_reference(x)
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU gate: ``silu(gate) * up`` with the gate in the first half.
 
     Args:

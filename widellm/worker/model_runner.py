@@ -19,7 +19,7 @@ from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.attention_metadata import build_attention_metadata, dummy_attention_metadata
 from widellm.layers.moe.layer import FusedMoE
 from widellm.model.loader import build_model
-from widellm.ops.cpu_attention import load_cpu_kernels
+from widellm.ops.cpu_kernels import load_cpu_kernels
 from widellm.step_timer import StepTimer, maybe_phase
 from widellm.worker.cpu_allocator import keep_freed_memory
 from widellm.worker.eplb_controller import EplbController

@@ -8,7 +8,8 @@
 // decode is Hkv = 1 with every query head in g and V a prefix of the latent K row). Each
 // K row is scored by its G query rows while it is in cache, so every K and V row is read
 // once per step. Accumulation is in fp32.
-#include <torch/extension.h>
+#include "vec.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -20,37 +21,7 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(at::Half x) { return static_cast<float>(x); }
-
-template <typename T>
-inline void row_to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-}
-
-#if defined(__AVX512F__)
-// bf16 is the top half of an fp32: widen 16 of them at a time.
-template <>
-inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
-  }
-  for (; i < n; ++i) dst[i] = to_float(src[i]);
-}
-#endif
+using namespace widellm_cpu;
 
 // Ask for the next block while this one is computed: blocks of a sequence are scattered over
 // the pool, so the hardware prefetcher cannot guess where the next one starts.
@@ -59,28 +30,6 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += kCacheLine) __builtin_prefetch(c + i);
 }
-
-#if defined(__AVX512F__)
-// exp of 16 lanes: 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor
-// series to r^6 (truncation < 2e-7 relative). Inputs are clamped to exp's finite fp32 range;
-// softmax only feeds it x - max <= 0, where e^-88 and below count as 0 next to the sum >= 1.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - k ln2, with ln2 split in two so k * ln2_hi is exact.
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, k);
-}
-#endif
 
 // s[:n] <- softmax(s[:n]), n >= 1.
 inline void softmax_inplace(float* s, int64_t n) {
@@ -297,9 +246,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
       TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention reading K/V in place (CPU)");
 }

@@ -1,0 +1,84 @@
+"""Fused SiLU-and-mul and RMSNorm kernels against their torch reference twins, and which path
+the layers take for each dtype."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from widellm.layers.activation import silu_and_mul, silu_and_mul_reference
+from widellm.layers.norm import RMSNorm
+from widellm.ops.cpu_kernels import ENV_DISABLE, load_cpu_kernels
+
+# One bf16 / fp16 rounding step apart at most (the kernel rounds once where torch rounds twice).
+TOLERANCE = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if os.environ.get(ENV_DISABLE) == "0":
+        pytest.skip(f"{ENV_DISABLE}=0")
+    module = load_cpu_kernels()
+    assert module is not None
+    return module
+
+
+def _assert_close_relative(out, ref, dtype):
+    scale = ref.float().abs().clamp(min=1.0)
+    err = ((out.float() - ref.float()).abs() / scale).max().item()
+    assert err <= TOLERANCE[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,inter", [(1, 8), (5, 37), (64, 96), (300, 1536)])
+def test_silu_and_mul_kernel(kernels, dtype, rows, inter):
+    gen = torch.Generator().manual_seed(rows + inter)
+    x = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+    x[0, 0], x[0, inter] = 100.0, 3.0  # saturated sigmoid
+    if inter > 1:
+        x[0, 1] = -100.0
+    out = kernels.silu_and_mul(x)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    _assert_close_relative(out, silu_and_mul_reference(x.float()).to(dtype), dtype)
+
+
+def test_silu_and_mul_kernel_strided_rows(kernels):
+    base = torch.randn(6, 100).bfloat16()
+    x = base[:, 4:84]  # rows 100 apart, last dim contiguous
+    _assert_close_relative(kernels.silu_and_mul(x), silu_and_mul_reference(x.float()).bfloat16(),
+                           torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,hidden", [(1, 8), (7, 33), (64, 576), (257, 1024)])
+def test_rms_norm_kernel(kernels, dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    norm = RMSNorm(hidden, eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    out = kernels.rms_norm(x, norm.weight.detach(), 1e-5)
+    ref = norm.forward_reference(x)
+    _assert_close_relative(out, ref, dtype)
+    if dtype != torch.float32:
+        # Same rounding steps as the reference: nearly every element is bit-equal (in fp32 the
+        # differently ordered sum of squares shows in the last bits).
+        assert (out == ref).float().mean().item() > 0.95
+
+
+def test_layers_dispatch_by_dtype(kernels):
+    """bf16 rows take the kernels; fp32 stays on the reference (bit-equal to Hugging Face)."""
+    gen = torch.Generator().manual_seed(9)
+    x32 = torch.randn(4, 2, 16, generator=gen)
+    norm = RMSNorm(16, eps=1e-6)
+    assert torch.equal(norm(x32), norm.forward_reference(x32))
+    assert torch.equal(silu_and_mul(x32), silu_and_mul_reference(x32))
+
+    x16 = x32.bfloat16()
+    norm16 = RMSNorm(16, eps=1e-6, dtype=torch.bfloat16)
+    assert torch.equal(norm16(x16), kernels.rms_norm(x16.view(-1, 16), norm16.weight, 1e-6)
+                       .view(4, 2, 16))
+    # 3-D contiguous input (the masked experts' layout) goes through the kernel too.
+    assert torch.equal(silu_and_mul(x16), kernels.silu_and_mul(x16.view(-1, 16)).view(4, 2, 8))

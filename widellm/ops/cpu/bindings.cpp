@@ -1,0 +1,15 @@
+// The Python module of widellm's CPU kernels (built by widellm/ops/cpu_kernels.py).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_table,
+                                     torch::Tensor seq_lens, double scale);
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention reading K/V in place (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm with Hugging Face's rounding (CPU)");
+}

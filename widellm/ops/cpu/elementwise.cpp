@@ -1,0 +1,125 @@
+// Fused elementwise ops of a decoder layer, one pass over each row in fp32:
+//   silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]            (SwiGLU gate)
+//   rms_norm(x [T, H], w [H], eps) -> w * (x / sqrt(mean(x^2) + eps)) (Hugging Face's rounding:
+//       the normalised row is rounded to x's dtype before the weight multiplies it)
+// Each replaces 2-7 torch ops (and their temporaries) with one read and one write of the row.
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+namespace {
+
+using namespace widellm_cpu;
+
+// Rows per parallel task: enough elements that a task outweighs the cost of handing it out.
+constexpr int64_t kElemsPerTask = 16384;
+
+inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, kElemsPerTask / std::max<int64_t>(width, 1)); }
+
+// g[:n] <- silu(g[:n]) * u[:n]
+inline void silu_mul_inplace(float* g, const float* u, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+    _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+template <typename T>
+void silu_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), inter = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, rows_per_task(2 * inter), [&](int64_t begin, int64_t end) {
+    std::vector<float> g(inter), u(inter);
+    for (int64_t r = begin; r < end; ++r) {
+      row_to_float(xp + r * xs, g.data(), inter);
+      row_to_float(xp + r * xs + inter, u.data(), inter);
+      silu_mul_inplace(g.data(), u.data(), inter);
+      row_from_float(g.data(), op + r * os, inter);
+    }
+  });
+}
+
+inline float sum_squares(const float* x, int64_t n) {
+  float s = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+template <typename T>
+void rms_norm_kernel(const torch::Tensor& x, const torch::Tensor& w, double eps,
+                     torch::Tensor& out) {
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  std::vector<float> wf(hidden);
+  row_to_float(w.data_ptr<T>(), wf.data(), hidden);
+  at::parallel_for(0, rows, rows_per_task(hidden), [&](int64_t begin, int64_t end) {
+    std::vector<float> h(hidden);
+    std::vector<T> rounded(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      row_to_float(xp + r * xs, h.data(), hidden);
+      const float inv = 1.f / std::sqrt(sum_squares(h.data(), hidden) / hidden + static_cast<float>(eps));
+      for (int64_t i = 0; i < hidden; ++i) h[i] *= inv;
+      // Round the normalised row to T first, as the reference does, then apply the weight.
+      row_from_float(h.data(), rounded.data(), hidden);
+      row_to_float(rounded.data(), h.data(), hidden);
+      for (int64_t i = 0; i < hidden; ++i) h[i] *= wf[i];
+      row_from_float(h.data(), op + r * os, hidden);
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": expected a 2-D tensor with contiguous rows");
+}
+
+}  // namespace
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_rows(x, "silu_and_mul");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: odd last dimension");
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  switch (x.scalar_type()) {
+    case torch::kFloat32: silu_and_mul_kernel<float>(x, out); break;
+    case torch::kBFloat16: silu_and_mul_kernel<at::BFloat16>(x, out); break;
+    case torch::kFloat16: silu_and_mul_kernel<at::Half>(x, out); break;
+    default: TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "rms_norm: weight must be contiguous [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype differs from x");
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  switch (x.scalar_type()) {
+    case torch::kFloat32: rms_norm_kernel<float>(x, weight, eps, out); break;
+    case torch::kBFloat16: rms_norm_kernel<at::BFloat16>(x, weight, eps, out); break;
+    case torch::kFloat16: rms_norm_kernel<at::Half>(x, weight, eps, out); break;
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}

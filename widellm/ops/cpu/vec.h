@@ -1,0 +1,92 @@
+// Shared helpers of the CPU kernels: element conversions to fp32 and back, and a vectorized
+// exp. AVX-512 paths where the compiler targets it (-march=native), plain loops otherwise.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace widellm_cpu {
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline void row_to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+#if defined(__AVX512F__)
+// bf16 is the top half of an fp32: widen 16 of them at a time.
+template <>
+inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
+  }
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+#endif
+
+// dst[:n] <- src[:n] rounded to T (round to nearest even, as torch's casts do).
+template <typename T>
+inline void row_from_float(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+#if defined(__AVX512F__)
+template <>
+inline void row_from_float<at::BFloat16>(const float* src, at::BFloat16* dst, int64_t n) {
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
+  const __m256i nan = _mm256_set1_epi16(0x7FC0);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(src + i);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, bias));
+    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+    h = _mm256_mask_mov_epi16(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
+}
+#endif
+
+#if defined(__AVX512F__)
+// exp of 16 lanes: 2^k * e^r with k = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor
+// series to r^6 (truncation < 2e-7 relative). Inputs are clamped to exp's finite fp32 range;
+// softmax only feeds it x - max <= 0, where e^-88 and below count as 0 next to the sum >= 1.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - k ln2, with ln2 split in two so k * ln2_hi is exact.
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+}  // namespace widellm_cpu

@@ -1,0 +1,78 @@
+"""widellm's C++ CPU kernels (``cpu/``): paged decode attention, fused SiLU-and-mul and
+RMSNorm, each with a torch reference twin where it is used.
+
+They are compiled on first use with torch's C++ extension builder (ninja + the system C++
+compiler, ~40 s once per machine, then cached by torch) for the CPU they run on. Where that is
+impossible, or with ``WIDELLM_CPU_KERNELS=0``, :func:`load_cpu_kernels` returns None and
+every caller takes its torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).with_name("cpu")
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp")
+ENV_DISABLE = "WIDELLM_CPU_KERNELS"
+# -march=native: AVX-512 intrinsics where this CPU has them, plain loops otherwise.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _build_tag() -> str:
+    """Short hash of this CPU's feature flags and of every file in ``cpu/``: torch caches an
+    extension by name and the listed sources, so without it a build for another CPU, or one
+    made before a header changed, could be loaded."""
+    try:
+        flags = next(
+            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")),
+            "",
+        )
+    except OSError:
+        flags = ""
+    digest = hashlib.sha1(flags.encode())
+    for path in sorted(SOURCE_DIR.iterdir()):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+@functools.cache
+def load_cpu_kernels() -> ModuleType | None:
+    """The compiled module (built on first call, then cached per process), or None when
+    disabled or the build fails (logged once)."""
+    if os.environ.get(ENV_DISABLE, "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        start = time.perf_counter()
+        module = load(
+            name=f"widellm_cpu_ops_{_build_tag()}",
+            sources=[str(SOURCE_DIR / name) for name in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+        logger.info("CPU kernels ready (%.1f s)", time.perf_counter() - start)
+        return module
+    except Exception as exc:  # no compiler, no ninja, unsupported platform
+        logger.warning("CPU kernels unavailable (%s); using the torch reference paths", exc)
+        return None
+
+
+def reduced_precision_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The kernels for an elementwise op on ``x``, or None for the torch path: only CPU tensors
+    in bf16/fp16. fp32 stays on torch ops so that fp32 outputs keep matching Hugging Face's
+    implementation bit for bit (the tests' numerical oracle)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return load_cpu_kernels()
