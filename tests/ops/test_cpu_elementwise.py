@@ -42,6 +42,9 @@ def test_silu_and_mul_kernel(kernels, dtype, rows, inter):
     out = kernels.silu_and_mul(x)
     assert out.shape == (rows, inter) and out.dtype == dtype
     _assert_close_relative(out, silu_and_mul_reference(x.float()).to(dtype), dtype)
+    if dtype != torch.float32:
+        # Rounded where the reference rounds: only a last-bit difference of exp can show.
+        assert (out == silu_and_mul_reference(x)).float().mean().item() > 0.99
 
 
 def test_silu_and_mul_kernel_strided_rows(kernels):
@@ -82,3 +85,32 @@ def test_layers_dispatch_by_dtype(kernels):
                        .view(4, 2, 16))
     # 3-D contiguous input (the masked experts' layout) goes through the kernel too.
     assert torch.equal(silu_and_mul(x16), kernels.silu_and_mul(x16.view(-1, 16)).view(4, 2, 8))
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_kernel(kernels, style, dtype):
+    from types import SimpleNamespace
+
+    from widellm.layers.rotary import RotaryEmbedding
+
+    cfg = SimpleNamespace(rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64)
+    rope = RotaryEmbedding(cfg, 16, 64, style=style)
+    gen = torch.Generator().manual_seed(11)
+    positions = torch.tensor([0, 5, 63, 17, 2])
+    q_full = torch.randn(5, 3, 24, generator=gen).to(dtype)
+    q = q_full[..., 8:]  # a slice of wider heads, as DeepSeek's q_pe
+    k = torch.randn(5, 1, 16, generator=gen).to(dtype)
+    ref_q, ref_k = rope.forward_reference(positions, q.float(), k.float())
+    for x, ref in ((q, ref_q), (k, ref_k)):
+        out = kernels.rotary_embedding(positions, x, rope.cos_cache, rope.sin_cache,
+                                       style == "interleaved")
+        assert out.shape == x.shape and out.is_contiguous()
+        _assert_close_relative(out, ref.to(dtype), dtype)
+    if dtype == torch.bfloat16:
+        # Same roundings as the reference, and no exp or sum to differ in: bit-equal.
+        ref16_q, ref16_k = rope.forward_reference(positions, q, k)
+        fused_q, fused_k = rope(positions, q, k)
+        assert torch.equal(fused_q, ref16_q) and torch.equal(fused_k, ref16_k)
+        assert torch.equal(fused_q, kernels.rotary_embedding(
+            positions, q, rope.cos_cache, rope.sin_cache, style == "interleaved"))

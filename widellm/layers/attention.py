@@ -17,9 +17,11 @@ from widellm.layers.attention_metadata import AttentionMetadata
 from widellm.ops.cpu_attention import paged_decode_attention
 
 
-def store_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-    """cache [num_slots, ...] <- values [T, ...] at rows slot_mapping [T]; -1 rows skipped."""
-    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+def store_to_cache(cache: torch.Tensor, md: AttentionMetadata, values: torch.Tensor) -> None:
+    """cache [num_slots, ...] <- values [T, ...] at rows md.slot_mapping [T]; -1 rows (only in
+    padded batches, which carry a padding mask) skipped."""
+    slot_mapping = md.slot_mapping
+    if md.padding_mask is not None and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slot_mapping, values = slot_mapping[keep], values[keep]
     cache.index_copy_(0, slot_mapping, values.to(cache.dtype))
@@ -50,8 +52,8 @@ class Attention(nn.Module):
         md: AttentionMetadata = get_forward_context().attn_metadata
         k_cache = self.kv_cache[0].flatten(0, 1)  # [slots, Hkv, D]
         v_cache = self.kv_cache[1].flatten(0, 1)
-        store_to_cache(k_cache, md.slot_mapping, k)
-        store_to_cache(v_cache, md.slot_mapping, v)
+        store_to_cache(k_cache, md, k)
+        store_to_cache(v_cache, md, v)
         out = torch.empty_like(q)
 
         if md.num_decodes and md.decode_block_table is not None:

@@ -37,7 +37,7 @@ class PrefillSeq:
 @dataclass(slots=True)
 class AttentionMetadata:
     num_tokens: int
-    slot_mapping: torch.Tensor  # [T] int64, -1 for padding rows
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding rows (only with a padding_mask)
     num_decodes: int  # decode tokens occupy rows [0, num_decodes)
     decode_slots: torch.Tensor | None  # [D, L] cache slot per context position (0 past the end)
     decode_mask: torch.Tensor | None  # [D, 1, 1, L] True where position < seq_len

@@ -70,7 +70,7 @@ class MLAAttention(nn.Module):
         k_pe [T, rope] (rotated) -> [T, H, v_head_dim]."""
         md: AttentionMetadata = get_forward_context().attn_metadata
         cache = self.kv_cache.flatten(0, 1)  # [slots, kv_lora + rope]
-        store_to_cache(cache, md.slot_mapping, torch.cat([kv_c, k_pe], dim=-1))
+        store_to_cache(cache, md, torch.cat([kv_c, k_pe], dim=-1))
         out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
         if md.num_decodes and md.decode_block_table is not None:
             d = md.num_decodes

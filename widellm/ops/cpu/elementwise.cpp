@@ -1,12 +1,17 @@
 // Fused elementwise ops of a decoder layer, one pass over each row in fp32:
 //   silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]            (SwiGLU gate)
+// Each rounds where the torch reference rounds (every op's result stored in x's dtype), so
+// bf16 results match the reference's up to the last bit of an exp or a sum.
 //   rms_norm(x [T, H], w [H], eps) -> w * (x / sqrt(mean(x^2) + eps)) (Hugging Face's rounding:
 //       the normalised row is rounded to x's dtype before the weight multiplies it)
+//   rotary_embedding(positions, x [T, H, R], cos, sin, interleaved) -> x rotated per position
+//       (neox halves; interleaved pairs come out de-interleaved, as the reference returns them)
 // Each replaces 2-7 torch ops (and their temporaries) with one read and one write of the row.
 #include "vec.h"
 
 #include <ATen/Parallel.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -18,18 +23,24 @@ constexpr int64_t kElemsPerTask = 16384;
 
 inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, kElemsPerTask / std::max<int64_t>(width, 1)); }
 
-// g[:n] <- silu(g[:n]) * u[:n]
+// g[:n] <- silu(g[:n]) * u[:n], rounded as torch rounds F.silu(g) * u in T: silu's result is
+// stored as T before the product.
+template <typename T>
 inline void silu_mul_inplace(float* g, const float* u, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(g + i);
-    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-    _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + i)));
+  if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, float>) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 x = _mm512_loadu_ps(g + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
+      if constexpr (std::is_same_v<T, at::BFloat16>) silu = round_to_bf16(silu);
+      _mm512_storeu_ps(g + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+    }
   }
 #endif
-  for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  for (; i < n; ++i) g[i] = round_to<T>(g[i] / (1.f + std::exp(-g[i]))) * u[i];
 }
 
 template <typename T>
@@ -43,7 +54,7 @@ void silu_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
     for (int64_t r = begin; r < end; ++r) {
       row_to_float(xp + r * xs, g.data(), inter);
       row_to_float(xp + r * xs + inter, u.data(), inter);
-      silu_mul_inplace(g.data(), u.data(), inter);
+      silu_mul_inplace<T>(g.data(), u.data(), inter);
       row_from_float(g.data(), op + r * os, inter);
     }
   });
@@ -120,6 +131,70 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     case torch::kBFloat16: rms_norm_kernel<at::BFloat16>(x, weight, eps, out); break;
     case torch::kFloat16: rms_norm_kernel<at::Half>(x, weight, eps, out); break;
     default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+namespace {
+
+template <typename T>
+void rotary_kernel(const torch::Tensor& positions, const torch::Tensor& x,
+                   const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved,
+                   torch::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), R = x.size(2), half = R / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
+  at::parallel_for(0, tokens, rows_per_task(heads * R), [&](int64_t begin, int64_t end) {
+    std::vector<float> raw(R), buf(R), rot(R);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * R;
+      const float* s = sp + pos[t] * R;
+      for (int64_t h = 0; h < heads; ++h) {
+        row_to_float(xp + t * xs0 + h * xs1, raw.data(), R);
+        if (interleaved) {  // pairs (2i, 2i+1) become (i, half + i), as the reference does
+          for (int64_t i = 0; i < half; ++i) {
+            buf[i] = raw[2 * i];
+            buf[half + i] = raw[2 * i + 1];
+          }
+        } else {
+          std::copy(raw.begin(), raw.end(), buf.begin());
+        }
+        // The reference's rounding: cos/sin cast to T, each product and the sum stored as T.
+        for (int64_t i = 0; i < half; ++i) {
+          const int64_t j = half + i;
+          rot[i] = round_to<T>(buf[i] * round_to<T>(c[i])) + round_to<T>(-buf[j] * round_to<T>(s[i]));
+          rot[j] = round_to<T>(buf[j] * round_to<T>(c[j])) + round_to<T>(buf[i] * round_to<T>(s[j]));
+        }
+        row_from_float(rot.data(), op + (t * heads + h) * R, R);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [T, H, R] (last dim contiguous), positions [T] int64, cos/sin [max_pos, R] fp32 (the
+// frequencies repeated for both halves) -> rotated [T, H, R] contiguous, in x's dtype.
+torch::Tensor rotary_embedding(torch::Tensor positions, torch::Tensor x, torch::Tensor cos,
+                               torch::Tensor sin, bool interleaved) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1,
+              "rotary_embedding: expected a CPU [T, H, R] tensor with contiguous rows");
+  TORCH_CHECK(x.size(2) % 2 == 0, "rotary_embedding: odd rotary dimension");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
+              positions.size(0) == x.size(0), "rotary_embedding: positions must be [T] int64");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == x.size(2) &&
+              sin.size(1) == x.size(2), "rotary_embedding: cos/sin must be contiguous fp32 [P, R]");
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  switch (x.scalar_type()) {
+    case torch::kFloat32: rotary_kernel<float>(positions, x, cos, sin, interleaved, out); break;
+    case torch::kBFloat16: rotary_kernel<at::BFloat16>(positions, x, cos, sin, interleaved, out); break;
+    case torch::kFloat16: rotary_kernel<at::Half>(positions, x, cos, sin, interleaved, out); break;
+    default: TORCH_CHECK(false, "rotary_embedding: unsupported dtype ", x.scalar_type());
   }
   return out;
 }

@@ -42,6 +42,21 @@ inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int6
 }
 #endif
 
+// x rounded to T and back: the value torch holds after an op whose result is stored as T.
+template <typename T>
+inline float round_to(float x) { return to_float(static_cast<T>(x)); }
+
+#if defined(__AVX512F__)
+// round_to<BFloat16> for 16 lanes (round to nearest even; NaN stays NaN).
+inline __m512 round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
+}
+#endif
+
 // dst[:n] <- src[:n] rounded to T (round to nearest even, as torch's casts do).
 template <typename T>
 inline void row_from_float(const float* src, T* dst, int64_t n) {
