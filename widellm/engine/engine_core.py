@@ -68,6 +68,9 @@ class EngineCore:
         self.model_runner = ModelRunner(config, ep, self.step_timer)
         num_blocks = self._determine_num_blocks()
         self.model_runner.initialize_kv_cache(num_blocks)
+        sc = config.scheduler_config
+        # The shapes of a full prefill step and of a full decode step.
+        self.model_runner.warmup([sc.max_num_batched_tokens, sc.max_num_seqs])
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Async scheduling: steps submitted to the runner thread, oldest first.

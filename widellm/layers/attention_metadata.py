@@ -122,15 +122,16 @@ def build_attention_metadata(
     )
 
 
-def dummy_attention_metadata() -> AttentionMetadata:
-    """One padding token attending only to itself, writing nothing to the cache: the batch a
-    rank without work runs so that the expert-parallel collectives of every layer line up."""
+def dummy_attention_metadata(num_tokens: int = 1) -> AttentionMetadata:
+    """``num_tokens`` padding tokens in one causal prefill, writing nothing to the cache. One
+    token is the batch a rank without work runs so that the expert-parallel collectives of
+    every layer line up; larger ones warm the model up at start-up."""
     return AttentionMetadata(
-        num_tokens=1,
-        slot_mapping=torch.full((1,), -1, dtype=torch.int64),
+        num_tokens=num_tokens,
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
         num_decodes=0,
         decode_slots=None,
         decode_mask=None,
-        prefills=[PrefillSeq(0, 1, 1, None, None)],
-        padding_mask=torch.ones(1, dtype=torch.bool),
+        prefills=[PrefillSeq(0, num_tokens, num_tokens, None, None)],
+        padding_mask=torch.ones(num_tokens, dtype=torch.bool),
     )

@@ -127,6 +127,19 @@ class ModelRunner:
         with maybe_phase(self.step_timer, "dummy"), set_forward_context(dummy_attention_metadata()):
             self.model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
 
+    @torch.inference_mode()
+    def warmup(self, sizes: list[int]) -> None:
+        """Run padding-only batches of these token counts through the model and the LM head,
+        writing no KV slot (every expert-parallel rank runs the same sizes in the same order,
+        so their collectives line up). The first forward at a size pays for oneDNN kernel
+        creation and first-touched activation memory: measured 3.3 s for a 4,096-token batch
+        of SmolLM2 against 1.9 s warm, which would otherwise land on the first requests."""
+        for n in sizes:
+            with set_forward_context(dummy_attention_metadata(n)):
+                zeros = torch.zeros(n, dtype=torch.int64)  # token 0 at position 0
+                hidden = self.model(zeros, zeros)
+            self.model.compute_logits(hidden[: min(n, self.config.scheduler_config.max_num_seqs)])
+
     def _before_forward(self) -> None:
         """Per-forward work every EP rank does at the same step (EPLB weight moves)."""
         if self.eplb is not None:
