@@ -172,3 +172,19 @@ def test_model_runner_picks_decode_form(arch, expected, model_dir):
         assert llm.llm_engine.engine_core.model_runner.decode_in_place is expected
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_kernel_engine_block_size_full_blocks(dtype, atol):
+    """Block size 16 (the engine's default): full blocks take the sixteen-row scoring pass,
+    the partial last block the four-row and single-row ones."""
+    gen = torch.Generator().manual_seed(8)
+    k = torch.randn(24, 16, 3, 64, generator=gen).to(dtype)
+    v = torch.randn(24, 16, 3, 64, generator=gen).to(dtype)
+    block_table = torch.randperm(24, generator=gen)[:20].view(4, 5)
+    seq_lens = torch.tensor([80, 35, 16, 1])
+    q = torch.randn(4, 3, 3, 64, generator=gen).to(dtype)
+    out = paged_decode_attention(q, k, v, block_table, seq_lens, 0.125)
+    ref = paged_decode_attention_reference(q.double(), k.double(), v.double(), block_table,
+                                           seq_lens, 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
