@@ -177,6 +177,24 @@ inline void accumulate_rows(const float* p, int64_t ld, const float* v, int64_t 
   }
 }
 
+// The block holding positions [l0, l0 + block_size) of a sequence (cache strides s_blk,
+// s_pos in elements); starts fetching the sequence's next block, if any, meanwhile.
+template <typename T>
+inline const T* block_base(const T* cache, int64_t s_blk, int64_t s_pos, const int64_t* blocks,
+                           int64_t l0, int64_t block_size, int64_t L) {
+  if (l0 + block_size < L) {
+    prefetch_bytes(cache + blocks[l0 / block_size + 1] * s_blk, block_size * s_pos * sizeof(T));
+  }
+  return cache + blocks[l0 / block_size] * s_blk;
+}
+
+// buf [n, D] fp32 <- rows [0, n) of KV head h of a block.
+template <typename T>
+inline void widen_rows(const T* block, int64_t s_pos, int64_t s_h, int64_t h, int64_t n,
+                       int64_t D, float* buf) {
+  for (int64_t j = 0; j < n; ++j) row_to_float(block + j * s_pos + h * s_h, buf + j * D, D);
+}
+
 template <typename T>
 void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                    const torch::Tensor& v_cache, const torch::Tensor& block_table,
@@ -212,14 +230,9 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
 
       for (int64_t l0 = 0; l0 < L; l0 += block_size) {
         const int64_t n = std::min(block_size, L - l0);
-        const T* kblock = kp + blocks[l0 / block_size] * ks_blk;
-        if (l0 + block_size < L) {
-          prefetch_bytes(kp + blocks[l0 / block_size + 1] * ks_blk, block_size * ks_pos * sizeof(T));
-        }
+        const T* kblock = block_base(kp, ks_blk, ks_pos, blocks, l0, block_size, L);
         for (int64_t h = 0; h < H; ++h) {
-          for (int64_t j = 0; j < n; ++j) {
-            row_to_float(kblock + j * ks_pos + h * ks_h, kbuf.data() + j * Dk, Dk);
-          }
+          widen_rows(kblock, ks_pos, ks_h, h, n, Dk, kbuf.data());
           score_rows(qf.data() + h * G * Dk, kbuf.data(), G, n, Dk,
                      scores.data() + h * G * L + l0, L);
         }
@@ -227,14 +240,9 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
       for (int64_t hg = 0; hg < HG && L > 0; ++hg) softmax_inplace(scores.data() + hg * L, L);
       for (int64_t l0 = 0; l0 < L; l0 += block_size) {
         const int64_t n = std::min(block_size, L - l0);
-        const T* vblock = vp + blocks[l0 / block_size] * vs_blk;
-        if (l0 + block_size < L) {
-          prefetch_bytes(vp + blocks[l0 / block_size + 1] * vs_blk, block_size * vs_pos * sizeof(T));
-        }
+        const T* vblock = block_base(vp, vs_blk, vs_pos, blocks, l0, block_size, L);
         for (int64_t h = 0; h < H; ++h) {
-          for (int64_t j = 0; j < n; ++j) {
-            row_to_float(vblock + j * vs_pos + h * vs_h, vbuf.data() + j * Dv, Dv);
-          }
+          widen_rows(vblock, vs_pos, vs_h, h, n, Dv, vbuf.data());
           accumulate_rows(scores.data() + h * G * L + l0, L, vbuf.data(), G, n, Dv,
                           acc.data() + h * G * Dv);
         }
