@@ -1,12 +1,12 @@
 // Fused elementwise ops of a decoder layer, one pass over each row in fp32:
 //   silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]            (SwiGLU gate)
-// Each rounds where the torch reference rounds (every op's result stored in x's dtype), so
-// bf16 results match the reference's up to the last bit of an exp or a sum.
 //   rms_norm(x [T, H], w [H], eps) -> w * (x / sqrt(mean(x^2) + eps)) (Hugging Face's rounding:
 //       the normalised row is rounded to x's dtype before the weight multiplies it)
 //   rotary_embedding(positions, x [T, H, R], cos, sin, interleaved) -> x rotated per position
 //       (neox halves; interleaved pairs come out de-interleaved, as the reference returns them)
-// Each replaces 2-7 torch ops (and their temporaries) with one read and one write of the row.
+// Each replaces 2-12 torch ops (and their temporaries) with one read and one write of the row,
+// and rounds where the torch reference rounds (every op's result stored in x's dtype), so bf16
+// results match the reference's up to the last bit of an exp or a sum.
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -21,7 +21,9 @@ using namespace widellm_cpu;
 // Rows per parallel task: enough elements that a task outweighs the cost of handing it out.
 constexpr int64_t kElemsPerTask = 16384;
 
-inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, kElemsPerTask / std::max<int64_t>(width, 1)); }
+inline int64_t rows_per_task(int64_t width) {
+  return std::max<int64_t>(1, kElemsPerTask / std::max<int64_t>(width, 1));
+}
 
 // g[:n] <- silu(g[:n]) * u[:n], rounded as torch rounds F.silu(g) * u in T: silu's result is
 // stored as T before the product.
