@@ -4,6 +4,7 @@ two decode forms (block table vs gathered slots) against each other."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -23,7 +24,9 @@ NUM_BLOCKS = 64
 def kernels():
     if os.environ.get(ENV_DISABLE) == "0":
         pytest.skip(f"{ENV_DISABLE}=0")
-    # Not a skip otherwise: a machine that should build the kernel and cannot is a failure.
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the engine runs the torch reference paths")
+    # Not a skip otherwise: a machine with a compiler that cannot build the kernels is a failure.
     assert load_cpu_kernels() is not None
 
 
