@@ -13,9 +13,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU gate, ``[..., 2 * I] -> [..., I]``: the fused CPU kernel for bf16/fp16 rows (one
     pass instead of two ops and a temporary), else :func:`silu_and_mul_reference`."""
     kernels = reduced_precision_kernels(x)
-    if kernels is not None and x.dim() == 2 and x.stride(-1) == 1:
+    if kernels is None:
+        return silu_and_mul_reference(x)
+    if x.dim() == 2 and x.stride(-1) == 1:
         return kernels.silu_and_mul(x)
-    if kernels is not None and x.is_contiguous():  # e.g. the masked experts' [E, P, 2I]
+    if x.is_contiguous():  # e.g. the masked experts' [E, P, 2I]
         return kernels.silu_and_mul(x.view(-1, x.shape[-1])).view(*x.shape[:-1], -1)
     return silu_and_mul_reference(x)
 

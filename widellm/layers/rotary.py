@@ -60,8 +60,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """bf16/fp16 on CPU: the fused kernel, one call per tensor instead of ~10 ops (same
-        math in fp32, one rounding); else :meth:`forward_reference`."""
+        """bf16/fp16 on CPU: the fused kernel, one call per tensor instead of ~10 ops, rounding
+        where the reference rounds (bit-equal in bf16); else :meth:`forward_reference`."""
         kernels = reduced_precision_kernels(q)
         if kernels is None or q.stride(-1) != 1 or k.stride(-1) != 1:
             return self.forward_reference(positions, q, k)

@@ -14,6 +14,7 @@ import torch
 
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,

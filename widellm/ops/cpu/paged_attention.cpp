@@ -247,8 +247,7 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
                           acc.data() + h * G * Dv);
         }
       }
-      T* orow = op + b * HG * Dv;
-      for (int64_t i = 0; i < HG * Dv; ++i) orow[i] = static_cast<T>(acc[i]);
+      row_from_float(acc.data(), op + b * HG * Dv, HG * Dv);
     }
   });
 }
