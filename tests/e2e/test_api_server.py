@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,6 +45,10 @@ GREEDY = {"temperature": 0.0}
 IGNORE_EOS = {"ignore_eos": True}  # fixed output lengths from a random model
 
 
+# The server's start-up line: "widellm X serving MODEL at http://127.0.0.1:PORT (OpenAI ...".
+BOUND_URL = re.compile(r"http://127\.0\.0\.1:(\d+)(?= \(OpenAI)")
+
+
 # ---- the server process ------------------------------------------------------------------------
 
 def _free_port() -> int:
@@ -64,13 +69,15 @@ class ServerProcess:
     spawns can be killed with it), logging to a file."""
 
     def __init__(self, model: str, log_path: Path, extra_args: list[str]) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # Port 0: the server binds a free port itself and logs it, so no other process can
+        # take the port between choosing and binding it. ``wait_ready`` sets the real ones.
+        self.port = 0
+        self.url = ""
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "widellm.entrypoints.cli", "serve", model,
-             "--port", str(self.port), "--max-n", str(MAX_N), "--disable-uvicorn-access-log",
+             "--port", "0", "--max-n", str(MAX_N), "--disable-uvicorn-access-log",
              *ENGINE_FLAGS, *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -79,11 +86,14 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self) -> None:
+        """Wait for the log line with the bound address, then for ``/health`` to answer 200."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"server exited at start-up:\n{self.log()}"
+            if not self.url and (bound := BOUND_URL.search(self.log())):
+                self.url, self.port = bound.group(0), int(bound.group(1))
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if self.url and httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -559,3 +569,20 @@ def test_engine_core_death_fails_requests_and_health(keyed_server):
     after = httpx.post(url + COMPLETIONS, headers=headers, json={"prompt": "hi"})
     assert after.status_code == 500 and "engine" in after.json()["error"]["message"]
     assert "failing" in keyed_server.log()  # the server said why
+
+
+def test_taken_port_fails_before_the_model_loads(model_dir, tmp_path):
+    """The HTTP port is bound before the engine core starts: a taken port ends the server at
+    once (exit 1, saying why) instead of after loading the model."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "widellm.entrypoints.cli", "serve", model_dir(MODEL_ARCH),
+             "--port", str(port), *ENGINE_FLAGS],
+            capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S,
+        )
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "KV cache" not in result.stderr  # no engine core was started

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import sys
 from http import HTTPStatus
 
@@ -171,9 +172,11 @@ def log_usage(url: str, model: str, api_key: str | None) -> None:
                 widellm.__version__, model, url, url, auth, body)
 
 
-async def serve_http(server: uvicorn.Server, model: str, api_key: str | None) -> None:
-    """Run uvicorn, logging the bound address (the real port, even for --port 0)."""
-    task = asyncio.create_task(server.serve())
+async def serve_http(server: uvicorn.Server, sock: socket.socket, model: str,
+                     api_key: str | None) -> None:
+    """Run uvicorn on the already bound ``sock``, logging its address (the real port, even
+    for --port 0)."""
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(STARTUP_POLL_S)
     if server.started and server.servers and server.servers[0].sockets:
@@ -189,26 +192,37 @@ def _exit_on_sigterm(signum: int, _frame) -> None:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """``widellm serve``: start the engine core, then serve HTTP until SIGINT/SIGTERM."""
+    """``widellm serve``: bind the HTTP port, start the engine core, then serve HTTP until
+    SIGINT/SIGTERM.
+
+    The port is bound first so that a taken port fails at once, not after the model loads,
+    and so that no ephemeral port the engine opens meanwhile (ZMQ, gloo) can take it.
+    """
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
-    app = build_app(engine, args)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    server = uvicorn.Server(config)
-
-    async def main() -> None:
-        try:
-            await serve_http(server, engine.model_config.served_name, args.api_key)
-        finally:
-            engine.shutdown()
-
     try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((args.host, args.port), family=family)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+        sys.exit(1)
+    with sock:
+        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        config = uvicorn.Config(
+            build_app(engine, args), log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        server = uvicorn.Server(config)
+
+        async def main() -> None:
+            try:
+                await serve_http(server, sock, engine.model_config.served_name, args.api_key)
+            finally:
+                engine.shutdown()
+
+        try:
+            asyncio.run(main())
+        except KeyboardInterrupt:
+            pass
     if not server.started:
-        sys.exit(1)  # uvicorn could not bind (it logged why)
+        sys.exit(1)  # uvicorn could not start (it logged why)
