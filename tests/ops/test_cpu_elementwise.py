@@ -90,20 +90,21 @@ def test_layers_dispatch_by_dtype(kernels):
     assert torch.equal(silu_and_mul(x16), kernels.silu_and_mul(x16.view(-1, 16)).view(4, 2, 8))
 
 
+@pytest.mark.parametrize("rotary_dim", [16, 72])  # halves below and past one 16-lane vector
 @pytest.mark.parametrize("style", ["neox", "interleaved"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rotary_kernel(kernels, style, dtype):
+def test_rotary_kernel(kernels, style, dtype, rotary_dim):
     from types import SimpleNamespace
 
     from widellm.layers.rotary import RotaryEmbedding
 
     cfg = SimpleNamespace(rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64)
-    rope = RotaryEmbedding(cfg, 16, 64, style=style)
+    rope = RotaryEmbedding(cfg, rotary_dim, 64, style=style)
     gen = torch.Generator().manual_seed(11)
     positions = torch.tensor([0, 5, 63, 17, 2])
-    q_full = torch.randn(5, 3, 24, generator=gen).to(dtype)
+    q_full = torch.randn(5, 3, rotary_dim + 8, generator=gen).to(dtype)
     q = q_full[..., 8:]  # a slice of wider heads, as DeepSeek's q_pe
-    k = torch.randn(5, 1, 16, generator=gen).to(dtype)
+    k = torch.randn(5, 1, rotary_dim, generator=gen).to(dtype)
     ref_q, ref_k = rope.forward_reference(positions, q.float(), k.float())
     for x, ref in ((q, ref_q), (k, ref_k)):
         out = kernels.rotary_embedding(positions, x, rope.cos_cache, rope.sin_cache,

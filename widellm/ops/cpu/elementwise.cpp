@@ -139,6 +139,40 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 namespace {
 
+// One head's rotation, in place on buf [R] fp32 (neox halves): with cr/sr the cos/sin rounded
+// to T, buf[i] <- T(x_i * cr_i) + T(-x_j * sr_i) and buf[j] <- T(x_j * cr_j) + T(x_i * sr_j),
+// j = half + i, each product stored as T as the reference stores it (the sum is rounded when
+// the row is written out).
+template <typename T>
+inline void rotate_half(float* buf, const float* cr, const float* sr, int64_t half) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, float>) {
+    auto rnd = [](__m512 v) {
+      if constexpr (std::is_same_v<T, at::BFloat16>) return round_to_bf16(v);
+      else return v;
+    };
+    for (; i + 16 <= half; i += 16) {
+      const int64_t j = half + i;
+      const __m512 x1 = _mm512_loadu_ps(buf + i), x2 = _mm512_loadu_ps(buf + j);
+      const __m512 lo = _mm512_add_ps(
+          rnd(_mm512_mul_ps(x1, _mm512_loadu_ps(cr + i))),
+          rnd(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), _mm512_loadu_ps(sr + i))));
+      const __m512 hi = _mm512_add_ps(rnd(_mm512_mul_ps(x2, _mm512_loadu_ps(cr + j))),
+                                      rnd(_mm512_mul_ps(x1, _mm512_loadu_ps(sr + j))));
+      _mm512_storeu_ps(buf + i, lo);
+      _mm512_storeu_ps(buf + j, hi);
+    }
+  }
+#endif
+  for (; i < half; ++i) {
+    const int64_t j = half + i;
+    const float x1 = buf[i], x2 = buf[j];
+    buf[i] = round_to<T>(x1 * cr[i]) + round_to<T>(-x2 * sr[i]);
+    buf[j] = round_to<T>(x2 * cr[j]) + round_to<T>(x1 * sr[j]);
+  }
+}
+
 template <typename T>
 void rotary_kernel(const torch::Tensor& positions, const torch::Tensor& x,
                    const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved,
@@ -151,27 +185,24 @@ void rotary_kernel(const torch::Tensor& positions, const torch::Tensor& x,
   T* op = out.data_ptr<T>();
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
   at::parallel_for(0, tokens, rows_per_task(heads * R), [&](int64_t begin, int64_t end) {
-    std::vector<float> raw(R), buf(R), rot(R);
+    std::vector<float> raw(R), buf(R), cr(R), sr(R);
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + pos[t] * R;
-      const float* s = sp + pos[t] * R;
+      // The reference casts cos/sin to T before multiplying: round once per token.
+      round_row<T>(cp + pos[t] * R, cr.data(), R);
+      round_row<T>(sp + pos[t] * R, sr.data(), R);
       for (int64_t h = 0; h < heads; ++h) {
-        row_to_float(xp + t * xs0 + h * xs1, raw.data(), R);
+        const T* row = xp + t * xs0 + h * xs1;
         if (interleaved) {  // pairs (2i, 2i+1) become (i, half + i), as the reference does
+          row_to_float(row, raw.data(), R);
           for (int64_t i = 0; i < half; ++i) {
             buf[i] = raw[2 * i];
             buf[half + i] = raw[2 * i + 1];
           }
         } else {
-          std::copy(raw.begin(), raw.end(), buf.begin());
+          row_to_float(row, buf.data(), R);
         }
-        // The reference's rounding: cos/sin cast to T, each product and the sum stored as T.
-        for (int64_t i = 0; i < half; ++i) {
-          const int64_t j = half + i;
-          rot[i] = round_to<T>(buf[i] * round_to<T>(c[i])) + round_to<T>(-buf[j] * round_to<T>(s[i]));
-          rot[j] = round_to<T>(buf[j] * round_to<T>(c[j])) + round_to<T>(buf[i] * round_to<T>(s[j]));
-        }
-        row_from_float(rot.data(), op + (t * heads + h) * R, R);
+        rotate_half<T>(buf.data(), cr.data(), sr.data(), half);
+        row_from_float(buf.data(), op + (t * heads + h) * R, R);
       }
     }
   });

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -56,6 +57,18 @@ inline __m512 round_to_bf16(__m512 v) {
   return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
 }
 #endif
+
+// dst[:n] <- round_to<T>(src[:n]), still fp32.
+template <typename T>
+inline void round_row(const float* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, round_to_bf16(_mm512_loadu_ps(src + i)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = round_to<T>(src[i]);
+}
 
 // dst[:n] <- src[:n] rounded to T (round to nearest even, as torch's casts do).
 template <typename T>
