@@ -74,6 +74,52 @@ def test_rms_norm_kernel(kernels, dtype, rows, hidden):
         assert (out == ref).float().mean().item() > 0.95
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,hidden", [(1, 8), (7, 33), (64, 576)])
+def test_fused_add_rms_norm_kernel(kernels, dtype, rows, hidden):
+    gen = torch.Generator().manual_seed(rows + hidden)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    norm = RMSNorm(hidden, eps=1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    out, h = kernels.fused_add_rms_norm(x, residual, norm.weight.detach(), 1e-5)
+    ref_out, ref_h = norm.forward_reference(x, residual)
+    # The residual sum is one rounded add, as torch's: bit-equal in every dtype.
+    assert torch.equal(h, ref_h)
+    # The norm of it is exactly the plain kernel's.
+    assert torch.equal(out, kernels.rms_norm(ref_h, norm.weight.detach(), 1e-5))
+    _assert_close_relative(out, ref_out, dtype)
+
+
+def test_decoder_residual_stream_matches_unfused_adds(kernels):
+    """bf16 decoder layers with the adds fused into the norms give the bits of the plain form
+    x + attn(norm(x)), then x + mlp(norm(x))."""
+    from types import SimpleNamespace
+
+    from widellm.model.llama import DecoderLayer
+
+    gen = torch.Generator().manual_seed(5)
+    cfg = SimpleNamespace(hidden_size=64, rms_norm_eps=1e-6)
+    attn = torch.nn.Linear(64, 64, bias=False).bfloat16()
+    mlp = torch.nn.Linear(64, 64, bias=False).bfloat16()
+    layer = DecoderLayer(cfg, None, mlp).bfloat16()
+    layer.self_attn = lambda positions, x: attn(x)  # any map of the normed rows will do
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    with torch.no_grad():
+        for norm in (norm1, norm2):
+            norm.weight.copy_(torch.randn(64, generator=gen))
+    x0 = torch.randn(9, 64, generator=gen).bfloat16()
+    with torch.no_grad():
+        plain = x0 + attn(norm1(x0))
+        plain = plain + mlp(norm2(plain))
+        plain = plain + attn(norm1(plain))
+        plain = plain + mlp(norm2(plain))
+        out, residual = layer(None, x0, None)
+        out, residual = layer(None, out, residual)
+    assert torch.equal(out + residual, plain)
+
+
 def test_layers_dispatch_by_dtype(kernels):
     """bf16 rows take the kernels; fp32 stays on the reference (bit-equal to Hugging Face)."""
     gen = torch.Generator().manual_seed(9)

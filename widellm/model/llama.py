@@ -72,8 +72,9 @@ class LlamaMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). The attention and MLP modules
-    are supplied by the model family."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), with the residual stream
+    carried beside the output (see :meth:`forward`). The attention and MLP modules are
+    supplied by the model family."""
 
     def __init__(self, cfg: Any, self_attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp"):
         super().__init__()
@@ -83,9 +84,18 @@ class DecoderLayer(nn.Module):
         self.mlp_name = mlp_name
         setattr(self, mlp_name, mlp)  # checkpoint name: "mlp" or Mixtral's "block_sparse_moe"
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] is the previous layer's output and ``residual`` [T, H] the stream it adds
+        to (None in the first layer, whose input is the stream itself). Returns this layer's
+        (MLP output, residual stream); each add is fused into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
+        return getattr(self, self.mlp_name)(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -98,10 +108,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class CausalLM(nn.Module):

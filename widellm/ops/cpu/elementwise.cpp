@@ -2,6 +2,8 @@
 //   silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]            (SwiGLU gate)
 //   rms_norm(x [T, H], w [H], eps) -> w * (x / sqrt(mean(x^2) + eps)) (Hugging Face's rounding:
 //       the normalised row is rounded to x's dtype before the weight multiplies it)
+//   fused_add_rms_norm(x, residual, w, eps) -> (rms_norm(x + residual), x + residual)
+//       (the pre-norm residual stream: the sum is rounded to x's dtype, as torch's add stores it)
 //   rotary_embedding(positions, x [T, H, R], cos, sin, interleaved) -> x rotated per position
 //       (neox halves; interleaved pairs come out de-interleaved, as the reference returns them)
 // Each replaces 2-12 torch ops (and their temporaries) with one read and one write of the row,
@@ -77,27 +79,46 @@ inline float sum_squares(const float* x, int64_t n) {
   return s;
 }
 
+// One row of RMSNorm, h [hidden] fp32 -> out: normalised, rounded to T (as the reference
+// rounds before the weight), times the weight, rounded again.
 template <typename T>
-void rms_norm_kernel(const torch::Tensor& x, const torch::Tensor& w, double eps,
-                     torch::Tensor& out) {
+inline void rms_norm_row(float* h, const float* wf, int64_t hidden, float eps, T* rounded,
+                         T* out) {
+  const float inv = 1.f / std::sqrt(sum_squares(h, hidden) / hidden + eps);
+  for (int64_t i = 0; i < hidden; ++i) h[i] *= inv;
+  row_from_float(h, rounded, hidden);
+  row_to_float(rounded, h, hidden);
+  for (int64_t i = 0; i < hidden; ++i) h[i] *= wf[i];
+  row_from_float(h, out, hidden);
+}
+
+// out <- rms_norm(x) or, with a residual, res_out <- T(x + residual) and out <- rms_norm(res_out):
+// the residual add and the norm in one pass over the row.
+template <typename T>
+void rms_norm_kernel(const torch::Tensor& x, const torch::Tensor* residual, const torch::Tensor& w,
+                     double eps, torch::Tensor& out, torch::Tensor* res_out) {
   const int64_t rows = x.size(0), hidden = x.size(1);
   const T* xp = x.data_ptr<T>();
+  const T* rp = residual ? residual->data_ptr<T>() : nullptr;
   T* op = out.data_ptr<T>();
+  T* rop = res_out ? res_out->data_ptr<T>() : nullptr;
   const int64_t xs = x.stride(0), os = out.stride(0);
+  const int64_t rs = residual ? residual->stride(0) : 0, ros = res_out ? res_out->stride(0) : 0;
   std::vector<float> wf(hidden);
   row_to_float(w.data_ptr<T>(), wf.data(), hidden);
   at::parallel_for(0, rows, rows_per_task(hidden), [&](int64_t begin, int64_t end) {
-    std::vector<float> h(hidden);
+    std::vector<float> h(hidden), r(hidden);
     std::vector<T> rounded(hidden);
-    for (int64_t r = begin; r < end; ++r) {
-      row_to_float(xp + r * xs, h.data(), hidden);
-      const float inv = 1.f / std::sqrt(sum_squares(h.data(), hidden) / hidden + static_cast<float>(eps));
-      for (int64_t i = 0; i < hidden; ++i) h[i] *= inv;
-      // Round the normalised row to T first, as the reference does, then apply the weight.
-      row_from_float(h.data(), rounded.data(), hidden);
-      row_to_float(rounded.data(), h.data(), hidden);
-      for (int64_t i = 0; i < hidden; ++i) h[i] *= wf[i];
-      row_from_float(h.data(), op + r * os, hidden);
+    for (int64_t row = begin; row < end; ++row) {
+      row_to_float(xp + row * xs, h.data(), hidden);
+      if (rp != nullptr) {
+        row_to_float(rp + row * rs, r.data(), hidden);
+        for (int64_t i = 0; i < hidden; ++i) h[i] += r[i];
+        row_from_float(h.data(), rop + row * ros, hidden);
+        round_row<T>(h.data(), h.data(), hidden);
+      }
+      rms_norm_row(h.data(), wf.data(), hidden, static_cast<float>(eps), rounded.data(),
+                   op + row * os);
     }
   });
 }
@@ -129,12 +150,41 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype differs from x");
   auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   switch (x.scalar_type()) {
-    case torch::kFloat32: rms_norm_kernel<float>(x, weight, eps, out); break;
-    case torch::kBFloat16: rms_norm_kernel<at::BFloat16>(x, weight, eps, out); break;
-    case torch::kFloat16: rms_norm_kernel<at::Half>(x, weight, eps, out); break;
+    case torch::kFloat32: rms_norm_kernel<float>(x, nullptr, weight, eps, out, nullptr); break;
+    case torch::kBFloat16:
+      rms_norm_kernel<at::BFloat16>(x, nullptr, weight, eps, out, nullptr);
+      break;
+    case torch::kFloat16: rms_norm_kernel<at::Half>(x, nullptr, weight, eps, out, nullptr); break;
     default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
   }
   return out;
+}
+
+std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                              torch::Tensor weight, double eps) {
+  check_rows(x, "fused_add_rms_norm");
+  check_rows(residual, "fused_add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: residual must match x in shape and dtype");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "fused_add_rms_norm: weight must be contiguous [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: weight dtype differs from x");
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  auto res_out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  switch (x.scalar_type()) {
+    case torch::kFloat32:
+      rms_norm_kernel<float>(x, &residual, weight, eps, out, &res_out);
+      break;
+    case torch::kBFloat16:
+      rms_norm_kernel<at::BFloat16>(x, &residual, weight, eps, out, &res_out);
+      break;
+    case torch::kFloat16:
+      rms_norm_kernel<at::Half>(x, &residual, weight, eps, out, &res_out);
+      break;
+    default: TORCH_CHECK(false, "fused_add_rms_norm: unsupported dtype ", x.scalar_type());
+  }
+  return {out, res_out};
 }
 
 namespace {
