@@ -90,6 +90,8 @@ def test_fused_add_rms_norm_kernel(kernels, dtype, rows, hidden):
     # The norm of it is exactly the plain kernel's.
     assert torch.equal(out, kernels.rms_norm(ref_h, norm.weight.detach(), 1e-5))
     _assert_close_relative(out, ref_out, dtype)
+    with pytest.raises(RuntimeError, match="residual must match x"):
+        kernels.fused_add_rms_norm(x, residual[:, :-1], norm.weight.detach(), 1e-5)
 
 
 def test_decoder_residual_stream_matches_unfused_adds(kernels):

@@ -143,47 +143,44 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  check_rows(x, "rms_norm");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
-              "rms_norm: weight must be contiguous [hidden]");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight dtype differs from x");
-  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
-  switch (x.scalar_type()) {
-    case torch::kFloat32: rms_norm_kernel<float>(x, nullptr, weight, eps, out, nullptr); break;
-    case torch::kBFloat16:
-      rms_norm_kernel<at::BFloat16>(x, nullptr, weight, eps, out, nullptr);
-      break;
-    case torch::kFloat16: rms_norm_kernel<at::Half>(x, nullptr, weight, eps, out, nullptr); break;
-    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+namespace {
+
+// Checks, then rms_norm_kernel for x's dtype; residual/res_out as there (both null or both set).
+void rms_norm_dispatch(const char* name, const torch::Tensor& x, const torch::Tensor* residual,
+                       const torch::Tensor& weight, double eps, torch::Tensor& out,
+                       torch::Tensor* res_out) {
+  check_rows(x, name);
+  if (residual != nullptr) {
+    check_rows(*residual, name);
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                name, ": residual must match x in shape and dtype");
   }
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              name, ": weight must be contiguous [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), name, ": weight dtype differs from x");
+  switch (x.scalar_type()) {
+    case torch::kFloat32: rms_norm_kernel<float>(x, residual, weight, eps, out, res_out); break;
+    case torch::kBFloat16:
+      rms_norm_kernel<at::BFloat16>(x, residual, weight, eps, out, res_out);
+      break;
+    case torch::kFloat16: rms_norm_kernel<at::Half>(x, residual, weight, eps, out, res_out); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", x.scalar_type());
+  }
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  rms_norm_dispatch("rms_norm", x, nullptr, weight, eps, out, nullptr);
   return out;
 }
 
 std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual,
                                               torch::Tensor weight, double eps) {
-  check_rows(x, "fused_add_rms_norm");
-  check_rows(residual, "fused_add_rms_norm");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
-              "fused_add_rms_norm: residual must match x in shape and dtype");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
-              "fused_add_rms_norm: weight must be contiguous [hidden]");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(),
-              "fused_add_rms_norm: weight dtype differs from x");
   auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   auto res_out = torch::empty_like(x, at::MemoryFormat::Contiguous);
-  switch (x.scalar_type()) {
-    case torch::kFloat32:
-      rms_norm_kernel<float>(x, &residual, weight, eps, out, &res_out);
-      break;
-    case torch::kBFloat16:
-      rms_norm_kernel<at::BFloat16>(x, &residual, weight, eps, out, &res_out);
-      break;
-    case torch::kFloat16:
-      rms_norm_kernel<at::Half>(x, &residual, weight, eps, out, &res_out);
-      break;
-    default: TORCH_CHECK(false, "fused_add_rms_norm: unsupported dtype ", x.scalar_type());
-  }
+  rms_norm_dispatch("fused_add_rms_norm", x, &residual, weight, eps, out, &res_out);
   return {out, res_out};
 }
 
