@@ -3,9 +3,6 @@ two decode forms (block table vs gathered slots) against each other."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -14,20 +11,11 @@ from widellm.forward_context import set_forward_context
 from widellm.layers.attention import Attention
 from widellm.layers.attention_metadata import build_attention_metadata
 from widellm.ops.cpu_attention import paged_decode_attention, paged_decode_attention_reference
-from widellm.ops.cpu_kernels import ENV_DISABLE, load_cpu_kernels
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    if os.environ.get(ENV_DISABLE) == "0":
-        pytest.skip(f"{ENV_DISABLE}=0")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler: the engine runs the torch reference paths")
-    # Not a skip otherwise: a machine with a compiler that cannot build the kernels is a failure.
-    assert load_cpu_kernels() is not None
+pytestmark = pytest.mark.usefixtures("kernels")  # see conftest.py
 
 
 def _case(batch, kv_heads, group, dk, dv, dtype, seed=0, shared_v=False):

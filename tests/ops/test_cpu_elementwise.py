@@ -1,31 +1,16 @@
-"""Fused SiLU-and-mul and RMSNorm kernels against their torch reference twins, and which path
-the layers take for each dtype."""
+"""Fused SiLU-and-mul, RMSNorm (alone and with the residual add) and rotary kernels against
+their torch reference twins, and which path the layers take for each dtype."""
 
 from __future__ import annotations
-
-import os
-import shutil
 
 import pytest
 import torch
 
 from widellm.layers.activation import silu_and_mul, silu_and_mul_reference
 from widellm.layers.norm import RMSNorm
-from widellm.ops.cpu_kernels import ENV_DISABLE, load_cpu_kernels
 
 # One bf16 / fp16 rounding step apart at most (the kernel rounds once where torch rounds twice).
 TOLERANCE = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    if os.environ.get(ENV_DISABLE) == "0":
-        pytest.skip(f"{ENV_DISABLE}=0")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler: the engine runs the torch reference paths")
-    module = load_cpu_kernels()
-    assert module is not None
-    return module
 
 
 def _assert_close_relative(out, ref, dtype):

@@ -134,12 +134,8 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   check_rows(x, "silu_and_mul");
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: odd last dimension");
   auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
-  switch (x.scalar_type()) {
-    case torch::kFloat32: silu_and_mul_kernel<float>(x, out); break;
-    case torch::kBFloat16: silu_and_mul_kernel<at::BFloat16>(x, out); break;
-    case torch::kFloat16: silu_and_mul_kernel<at::Half>(x, out); break;
-    default: TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", x.scalar_type());
-  }
+  dispatch_float_types(x.scalar_type(), "silu_and_mul",
+                       [&](auto t) { silu_and_mul_kernel<decltype(t)>(x, out); });
   return out;
 }
 
@@ -158,14 +154,9 @@ void rms_norm_dispatch(const char* name, const torch::Tensor& x, const torch::Te
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
               name, ": weight must be contiguous [hidden]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), name, ": weight dtype differs from x");
-  switch (x.scalar_type()) {
-    case torch::kFloat32: rms_norm_kernel<float>(x, residual, weight, eps, out, res_out); break;
-    case torch::kBFloat16:
-      rms_norm_kernel<at::BFloat16>(x, residual, weight, eps, out, res_out);
-      break;
-    case torch::kFloat16: rms_norm_kernel<at::Half>(x, residual, weight, eps, out, res_out); break;
-    default: TORCH_CHECK(false, name, ": unsupported dtype ", x.scalar_type());
-  }
+  dispatch_float_types(x.scalar_type(), name, [&](auto t) {
+    rms_norm_kernel<decltype(t)>(x, residual, weight, eps, out, res_out);
+  });
 }
 
 }  // namespace
@@ -270,11 +261,8 @@ torch::Tensor rotary_embedding(torch::Tensor positions, torch::Tensor x, torch::
               cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == x.size(2) &&
               sin.size(1) == x.size(2), "rotary_embedding: cos/sin must be contiguous fp32 [P, R]");
   auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
-  switch (x.scalar_type()) {
-    case torch::kFloat32: rotary_kernel<float>(positions, x, cos, sin, interleaved, out); break;
-    case torch::kBFloat16: rotary_kernel<at::BFloat16>(positions, x, cos, sin, interleaved, out); break;
-    case torch::kFloat16: rotary_kernel<at::Half>(positions, x, cos, sin, interleaved, out); break;
-    default: TORCH_CHECK(false, "rotary_embedding: unsupported dtype ", x.scalar_type());
-  }
+  dispatch_float_types(x.scalar_type(), "rotary_embedding", [&](auto t) {
+    rotary_kernel<decltype(t)>(positions, x, cos, sin, interleaved, out);
+  });
   return out;
 }

@@ -275,18 +275,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
               "seq_lens must be contiguous int64");
   TORCH_CHECK(block_table.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "batch sizes differ");
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v_cache.size(3)}, q.options());
-  switch (q.scalar_type()) {
-    case torch::kFloat32:
-      decode_kernel<float>(out, q, k_cache, v_cache, block_table, seq_lens, scale);
-      break;
-    case torch::kBFloat16:
-      decode_kernel<at::BFloat16>(out, q, k_cache, v_cache, block_table, seq_lens, scale);
-      break;
-    case torch::kFloat16:
-      decode_kernel<at::Half>(out, q, k_cache, v_cache, block_table, seq_lens, scale);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
-  }
+  dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto t) {
+    decode_kernel<decltype(t)>(out, q, k_cache, v_cache, block_table, seq_lens, scale);
+  });
   return out;
 }

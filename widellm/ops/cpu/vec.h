@@ -24,6 +24,19 @@ inline float to_float(at::BFloat16 x) {
 }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
+// f(T{}) with T the element type of `type` (fp32, bf16 or fp16), so a kernel templated on T
+// runs as `dispatch_float_types(x.scalar_type(), "op", [&](auto t) { op<decltype(t)>(...); })`;
+// any other dtype fails naming `op`.
+template <typename F>
+inline void dispatch_float_types(at::ScalarType type, const char* op, F&& f) {
+  switch (type) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", type);
+  }
+}
+
 template <typename T>
 inline void row_to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
