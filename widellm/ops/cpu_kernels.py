@@ -1,6 +1,6 @@
 """widellm's C++ CPU kernels (``cpu/``): paged decode attention, fused SiLU-and-mul, RMSNorm
-(alone and with the residual add) and rotary embedding, each with a torch reference twin where
-it is used.
+(alone and with the residual add), rotary embedding and the routed experts of decode batches,
+each with a torch reference twin where it is used.
 
 They are compiled on first use with torch's C++ extension builder (ninja + the system C++
 compiler, ~40 s once per machine, then cached by torch) for the CPU they run on. Where that is
@@ -23,7 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp")
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "moe.cpp")
 ENV_DISABLE = "WIDELLM_CPU_KERNELS"
 # -march=native: AVX-512 intrinsics where this CPU has them, plain loops otherwise.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from widellm.layers.activation import silu_and_mul
+from widellm.ops.cpu_kernels import reduced_precision_kernels
 
 
 # Row counts up to this are rounded to a power of two, larger ones to a multiple of it.
@@ -149,10 +150,53 @@ def prefers_masked_layout(expert_ids: torch.Tensor, num_experts: int) -> bool:
     return num_experts * bucket_rows(busiest) <= MASKED_MAX_PADDING * num_valid
 
 
+# The dot-product kernel (CPUs with AVX512-BF16 but no AMX, or sizes AMX tiles do not divide)
+# beats the grouped matmuls only while experts get a few rows each.
+DOT_KERNEL_MAX_ROWS_PER_EXPERT = 8
+
+
+def fused_experts_backend(hidden: torch.Tensor, w13: torch.Tensor) -> str | None:
+    """The CPU kernel path :func:`experts_forward` takes for these rows, or None for torch's.
+
+    ``"amx"`` (tile products, fastest at every batch size measured) or ``"avx512_bf16"`` (dot
+    products, decode-sized batches only); bf16 only, fp32 and fp16 keep the torch paths.
+    """
+    kernels = reduced_precision_kernels(hidden)
+    if kernels is None or hidden.dtype != torch.bfloat16:
+        return None
+    num_experts, two_inter, hidden_size = w13.shape
+    backend = kernels.fused_experts_backend(hidden_size, two_inter // 2)
+    if backend == "amx":
+        return backend
+    if backend == "avx512_bf16" and hidden.shape[0] <= DOT_KERNEL_MAX_ROWS_PER_EXPERT * num_experts:
+        return backend
+    return None
+
+
+def fused_experts_forward(
+    hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Both projections and the gate in one CPU kernel call (``ops/cpu/moe.cpp``): each
+    expert's weights are streamed once for all of its rows, whatever the routing skew, with
+    no host sync, no Python loop and no padding. bf16 only; same arguments and result as
+    :func:`grouped_experts_forward`, up to the order of the fp32 sums in each dot product.
+    """
+    _check_shapes(hidden, expert_ids, w13, w2)
+    kernels = reduced_precision_kernels(hidden)
+    if kernels is None:
+        raise RuntimeError("fused_experts_forward needs widellm's CPU kernels")
+    return kernels.fused_experts(
+        hidden.contiguous(), expert_ids.contiguous(), w13.contiguous(), w2.contiguous()
+    )
+
+
 def experts_forward(
     hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
-    """Pick the layout by the rows each expert gets; both give the reference result."""
+    """Pick the fused kernel where it runs, else the layout by the rows each expert gets; all
+    give the reference result."""
+    if fused_experts_backend(hidden, w13) is not None:
+        return fused_experts_forward(hidden, expert_ids, w13, w2)
     if prefers_masked_layout(expert_ids, w13.shape[0]):
         return masked_experts_forward(hidden, expert_ids, w13, w2)
     return grouped_experts_forward(hidden, expert_ids, w13, w2)

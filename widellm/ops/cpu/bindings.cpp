@@ -10,6 +10,9 @@ std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor res
                                               torch::Tensor weight, double eps);
 torch::Tensor rotary_embedding(torch::Tensor positions, torch::Tensor x, torch::Tensor cos,
                                torch::Tensor sin, bool interleaved);
+std::string fused_experts_backend(int64_t hidden_size, int64_t inter);
+torch::Tensor fused_experts(torch::Tensor hidden, torch::Tensor expert_ids, torch::Tensor w13,
+                            torch::Tensor w2);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -19,4 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "(rms_norm(x + residual), x + residual) in one pass (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding of one [T, H, R] tensor (CPU)");
+  m.def("fused_experts_backend", &fused_experts_backend,
+        "Path of fused_experts for (hidden_size, intermediate_size): amx, avx512_bf16 or none");
+  m.def("fused_experts", &fused_experts,
+        "Routed-expert MLPs of decode-sized batches, bf16 (CPU, AVX512-BF16)");
 }

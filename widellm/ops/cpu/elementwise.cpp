@@ -27,26 +27,6 @@ inline int64_t rows_per_task(int64_t width) {
   return std::max<int64_t>(1, kElemsPerTask / std::max<int64_t>(width, 1));
 }
 
-// g[:n] <- silu(g[:n]) * u[:n], rounded as torch rounds F.silu(g) * u in T: silu's result is
-// stored as T before the product.
-template <typename T>
-inline void silu_mul_inplace(float* g, const float* u, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, float>) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 x = _mm512_loadu_ps(g + i);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-      __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
-      if constexpr (std::is_same_v<T, at::BFloat16>) silu = round_to_bf16(silu);
-      _mm512_storeu_ps(g + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
-    }
-  }
-#endif
-  for (; i < n; ++i) g[i] = round_to<T>(g[i] / (1.f + std::exp(-g[i]))) * u[i];
-}
-
 template <typename T>
 void silu_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
   const int64_t rows = x.size(0), inter = out.size(1);
