@@ -12,12 +12,10 @@
 // weight is read once per step however skewed the routing is, with no per-expert Python call,
 // no padding rows and no [E, P, H] grid. Prefill-sized batches keep the grouped matmuls, whose
 // library kernels (AMX) win once an expert has many rows.
+#include "amx.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
-
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -192,69 +190,8 @@ void experts_dot(const bf16* xp, const Routing& rt, const bf16* w13p, const bf16
   });
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// AMX: the weights are the tiles' A operand as stored (16 weight rows x 32 k), the expert's
-// rows the B operand, packed once in AMX's pair layout, so no weight is repacked or
-// transposed and one tile product does 16 x 16 x 32 multiply-adds. Needs H and I to be
-// multiples of 32 (whole tile rows and whole tasks).
-constexpr int64_t kTile = 16;   // rows of every tile; 16 fp32 or 16 bf16 pairs per tile row
-constexpr int64_t kTileK = 32;  // k of one tile product
-static_assert(kColsPerTask == 2 * kTile, "a task is two accumulator tiles of weight rows");
-
-bool amx_ready() {
-  // Linux hands out AMX state only to processes that ask for it (once per process).
-  static const bool ready = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ready;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Configures every tile as 16 rows x 64 bytes for this thread while in scope.
-struct TileScope {
-  TileScope() {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = kTile;
-    }
-    _tile_loadconfig(&cfg);
-  }
-  ~TileScope() { _tile_release(); }
-  TileScope(const TileScope&) = delete;
-  TileScope& operator=(const TileScope&) = delete;
-};
-
-// Offset of x[m][k] in a chunk of 16 rows packed as AMX's B operand: [K / 2][16][2].
-inline int64_t packed_at(int64_t m, int64_t k) { return ((k >> 1) * kTile + m) * 2 + (k & 1); }
-
-// out[n][m] ([32][16] fp32) = sum_k w[n][k] * chunk[m][k] for the 32 weight rows at w.
-inline void amx_rows32(const bf16* w, int64_t ldw, const bf16* chunk, int64_t K, float* out) {
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int64_t k = 0; k < K; k += kTileK) {
-    _tile_loadd(2, chunk + k * kTile, kTile * 2 * sizeof(bf16));
-    _tile_loadd(3, w + k, ldw * sizeof(bf16));
-    _tile_loadd(4, w + kTile * ldw + k, ldw * sizeof(bf16));
-    _tile_dpbf16ps(0, 3, 2);
-    _tile_dpbf16ps(1, 4, 2);
-  }
-  _tile_stored(0, out, kTile * sizeof(float));
-  _tile_stored(1, out + kTile * kTile, kTile * sizeof(float));
-}
-
-// column m of a [32][16] tile result
-inline void tile_column(const float* tile, int64_t m, float* dst) {
-  for (int64_t n = 0; n < kColsPerTask; ++n) dst[n] = tile[n * kTile + m];
-}
+#if WIDELLM_HAS_AMX
+static_assert(kColsPerTask == kTileCols, "a task is the weight rows of one amx_rows32 call");
 
 void experts_amx(const bf16* xp, const Routing& rt, const bf16* w13p, const bf16* w2p,
                  int64_t hidden_size, int64_t inter, bf16* outp) {
@@ -274,10 +211,8 @@ void experts_amx(const bf16* xp, const Routing& rt, const bf16* w13p, const bf16
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = std::upper_bound(rt.starts.begin(), rt.starts.end(), i) - rt.starts.begin() - 1;
       const int64_t r = i - rt.starts[e];
-      bf16* chunk = px + (chunk0[e] + r / kTile) * x_chunk;
-      const bf16* src = xp + rt.order[i] * hidden_size;
-      for (int64_t k = 0; k < hidden_size; k += 2)
-        std::memcpy(chunk + packed_at(r % kTile, k), src + k, 2 * sizeof(bf16));
+      pack_row(xp + rt.order[i] * hidden_size, hidden_size,
+               px + (chunk0[e] + r / kTile) * x_chunk, r % kTile);
     }
   });
 
@@ -299,6 +234,7 @@ void experts_amx(const bf16* xp, const Routing& rt, const bf16* w13p, const bf16
           tile_column(gate_tile, m, gate);
           tile_column(up_tile, m, up);
           gate_row(gate, up, kColsPerTask, act);
+          // Written straight into the down projection's B layout (K = I).
           for (int64_t n = 0; n < kColsPerTask; n += 2)
             std::memcpy(act_chunk_p + packed_at(m, col + n), act + n, 2 * sizeof(bf16));
         }
@@ -326,8 +262,9 @@ void experts_amx(const bf16* xp, const Routing& rt, const bf16* w13p, const bf16
   });
 }
 
+// Whole tile rows (K) and whole tasks (output columns) in both projections.
 bool use_amx(int64_t hidden_size, int64_t inter) {
-  return hidden_size % kTileK == 0 && inter % kTileK == 0 && amx_ready();
+  return hidden_size % kTileCols == 0 && inter % kTileCols == 0 && amx_ready();
 }
 #else
 bool use_amx(int64_t, int64_t) { return false; }
