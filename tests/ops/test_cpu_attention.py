@@ -151,14 +151,22 @@ def test_kernel_long_context_peaked_scores():
         torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("arch,expected", [
-    ("LlamaForCausalLM", True), ("Qwen3MoeForCausalLM", True),
-    ("DeepseekV3ForCausalLM", False),  # MLA keeps the gather + bmm form (see MLAAttention)
+@pytest.mark.parametrize("arch,dtype,expected", [
+    ("LlamaForCausalLM", "float32", True), ("Qwen3MoeForCausalLM", "float32", True),
+    # MLA: the AMX MLA kernel in bf16 where it runs, else the gather + bmm form (MLAAttention).
+    ("DeepseekV3ForCausalLM", "float32", False), ("DeepseekV3ForCausalLM", "bfloat16", None),
 ])
-def test_model_runner_picks_decode_form(arch, expected, model_dir):
+def test_model_runner_picks_decode_form(arch, dtype, expected, model_dir, kernels):
     from widellm import LLM
 
-    llm = LLM(model_dir(arch), num_kv_blocks=64, max_model_len=256)
+    from widellm.model.loader import load_hf_config
+
+    path = model_dir(arch)
+    if expected is None:  # the tiny model's latent sizes decide (kernel: multiples of 32)
+        cfg = load_hf_config(path)
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        expected = kernels.mla_decode_supported(16, width, cfg.kv_lora_rank)
+    llm = LLM(path, dtype=dtype, num_kv_blocks=64, max_model_len=256)
     try:
         assert llm.llm_engine.engine_core.model_runner.decode_in_place is expected
     finally:

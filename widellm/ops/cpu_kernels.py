@@ -1,5 +1,5 @@
 """widellm's C++ CPU kernels (``cpu/``): paged decode attention, fused SiLU-and-mul, RMSNorm
-(alone and with the residual add), rotary embedding and the routed experts of decode batches,
+(alone and with the residual add), rotary embedding, MLA decode attention and the routed experts,
 each with a torch reference twin where it is used.
 
 They are compiled on first use with torch's C++ extension builder (ninja + the system C++
@@ -23,7 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "moe.cpp")
+SOURCES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "mla_decode.cpp", "moe.cpp")
 ENV_DISABLE = "WIDELLM_CPU_KERNELS"
 # -march=native: AVX-512 intrinsics where this CPU has them, plain loops otherwise.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

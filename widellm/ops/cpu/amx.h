@@ -53,7 +53,9 @@ struct TileScope {
       cfg.colsb[t] = 64;
       cfg.rows[t] = kTile;
     }
-    _tile_loadconfig(&cfg);
+    // Not _tile_loadconfig: GCC 12's version tells the compiler it reads one byte of the
+    // config, and the stores of the tile shapes were dropped as dead (tiles then fault).
+    asm volatile("ldtilecfg %0" : : "m"(cfg));
   }
   ~TileScope() { _tile_release(); }
   TileScope(const TileScope&) = delete;

@@ -14,6 +14,10 @@ std::string fused_experts_backend(int64_t hidden_size, int64_t inter);
 torch::Tensor fused_experts(torch::Tensor hidden, torch::Tensor expert_ids, torch::Tensor w13,
                             torch::Tensor w2);
 
+bool mla_decode_supported(int64_t block_size, int64_t head_size, int64_t v_head_size);
+torch::Tensor mla_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
+                                   torch::Tensor seq_lens, int64_t v_head_size, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention reading K/V in place (CPU)");
@@ -22,6 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "(rms_norm(x + residual), x + residual) in one pass (CPU)");
   m.def("rotary_embedding", &rotary_embedding, "Rotary embedding of one [T, H, R] tensor (CPU)");
+  m.def("mla_decode_supported", &mla_decode_supported,
+        "Whether mla_decode_attention runs for (block_size, head_size, v_head_size) here");
+  m.def("mla_decode_attention", &mla_decode_attention,
+        "MLA decode attention over the paged latent cache, bf16 (CPU, AMX)");
   m.def("fused_experts_backend", &fused_experts_backend,
         "Path of fused_experts for (hidden_size, intermediate_size): amx, avx512_bf16 or none");
   m.def("fused_experts", &fused_experts,

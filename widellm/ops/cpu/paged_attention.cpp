@@ -31,36 +31,6 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += kCacheLine) __builtin_prefetch(c + i);
 }
 
-// s[:n] <- softmax(s[:n]), n >= 1.
-inline void softmax_inplace(float* s, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  float sum = 0.f;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 vm = _mm512_set1_ps(m);
-  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + i));
-  m = _mm512_reduce_max_ps(vm);
-#endif
-  for (; i < n; ++i) m = std::max(m, s[i]);
-  i = 0;
-#if defined(__AVX512F__)
-  const __m512 vmax = _mm512_set1_ps(m);
-  __m512 vsum = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmax));
-    _mm512_storeu_ps(s + i, e);
-    vsum = _mm512_add_ps(vsum, e);
-  }
-  sum = _mm512_reduce_add_ps(vsum);
-#endif
-  for (; i < n; ++i) {
-    s[i] = std::exp(s[i] - m);
-    sum += s[i];
-  }
-  const float inv = 1.f / sum;
-  for (i = 0; i < n; ++i) s[i] *= inv;
-}
-
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
