@@ -18,6 +18,8 @@ bool mla_decode_supported(int64_t block_size, int64_t head_size, int64_t v_head_
 torch::Tensor mla_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
                                    torch::Tensor seq_lens, int64_t v_head_size, double scale);
 
+torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention reading K/V in place (CPU)");
@@ -30,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether mla_decode_attention runs for (block_size, head_size, v_head_size) here");
   m.def("mla_decode_attention", &mla_decode_attention,
         "MLA decode attention over the paged latent cache, bf16 (CPU, AMX)");
+  m.def("moe_combine", &moe_combine,
+        "sum_j weights[t, j] * y[t * k + j] in fp32, rounded once (CPU)");
   m.def("fused_experts_backend", &fused_experts_backend,
         "Path of fused_experts for (hidden_size, intermediate_size): amx, avx512_bf16 or none");
   m.def("fused_experts", &fused_experts,

@@ -6,6 +6,8 @@
 //       (the pre-norm residual stream: the sum is rounded to x's dtype, as torch's add stores it)
 //   rotary_embedding(positions, x [T, H, R], cos, sin, interleaved) -> x rotated per position
 //       (neox halves; interleaved pairs come out de-interleaved, as the reference returns them)
+//   moe_combine(y [T * k, H], weights [T, k] fp32) -> [T, H]: sum_j weights[t, j] * y[t * k + j],
+//       summed in fp32 in slot order and rounded once (the local MoE dispatcher's combine)
 // Each replaces 2-12 torch ops (and their temporaries) with one read and one write of the row,
 // and rounds where the torch reference rounds (every op's result stored in x's dtype), so bf16
 // results match the reference's up to the last bit of an exp or a sum.
@@ -108,7 +110,41 @@ void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": expected a 2-D tensor with contiguous rows");
 }
 
+template <typename T>
+void moe_combine_kernel(const torch::Tensor& y, const torch::Tensor& weights, torch::Tensor& out) {
+  const int64_t tokens = out.size(0), hidden = out.size(1), top_k = weights.size(1);
+  const T* yp = y.data_ptr<T>();
+  const float* wp = weights.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, tokens, rows_per_task(hidden * top_k), [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(hidden), row(hidden);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < top_k; ++j) {
+        row_to_float(yp + (t * top_k + j) * hidden, row.data(), hidden);
+        const float w = wp[t * top_k + j];
+        for (int64_t i = 0; i < hidden; ++i) acc[i] += row[i] * w;
+      }
+      row_from_float(acc.data(), op + t * hidden, hidden);
+    }
+  });
+}
+
 }  // namespace
+
+torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights) {
+  TORCH_CHECK(y.device().is_cpu(), "moe_combine: CPU tensors only");
+  TORCH_CHECK(y.dim() == 2 && weights.dim() == 2 && y.is_contiguous() && weights.is_contiguous(),
+              "moe_combine: contiguous y [T * k, H] and weights [T, k] expected");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat, "moe_combine: weights must be fp32");
+  TORCH_CHECK(y.size(0) == weights.size(0) * weights.size(1),
+              "moe_combine: y has ", y.size(0), " rows, weights ", weights.size(0), " x ",
+              weights.size(1));
+  auto out = torch::empty({weights.size(0), y.size(1)}, y.options());
+  dispatch_float_types(y.scalar_type(), "moe_combine",
+                       [&](auto t) { moe_combine_kernel<decltype(t)>(y, weights, out); });
+  return out;
+}
 
 torch::Tensor silu_and_mul(torch::Tensor x) {
   check_rows(x, "silu_and_mul");
