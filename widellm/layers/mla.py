@@ -94,24 +94,33 @@ class MLAAttention(nn.Module):
             d = md.num_decodes
             out[:d] = self._decode_absorbed(q[:d], gather_from_cache(cache, md.decode_slots),
                                             md.decode_mask)
+        # Prompts with no cached context attend to their own new latents only: expand them
+        # all with one kv_b_proj matmul (one call per prompt was ~3x slower at 32 x 128).
+        fresh = [p for p in md.prefills if p.context_slots is None]
+        if fresh:
+            fresh_start = fresh[0].token_start
+            kv_fresh = self._kv_b_proj[0](kv_c[fresh_start:fresh[-1].token_end])
         for p in md.prefills:
             if p.context_slots is None:
-                ctx_c, ctx_pe = kv_c[p.token_start:p.token_end], k_pe[p.token_start:p.token_end]
+                kv = kv_fresh[p.token_start - fresh_start:p.token_end - fresh_start]
+                ctx_pe = k_pe[p.token_start:p.token_end]
             else:
                 ctx = gather_from_cache(cache, p.context_slots)
-                ctx_c, ctx_pe = ctx[:, : self.kv_lora_rank], ctx[:, self.kv_lora_rank:]
+                kv = self._kv_b_proj[0](ctx[:, : self.kv_lora_rank])
+                ctx_pe = ctx[:, self.kv_lora_rank:]
             out[p.token_start:p.token_end] = self._prefill_expanded(
-                q[p.token_start:p.token_end], ctx_c, ctx_pe, p.mask
+                q[p.token_start:p.token_end], kv, ctx_pe, p.mask
             )
         return out
 
     def _prefill_expanded(
-        self, q: torch.Tensor, ctx_c: torch.Tensor, ctx_pe: torch.Tensor,
+        self, q: torch.Tensor, kv: torch.Tensor, ctx_pe: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """q [q, H, nope+rope], ctx_c [L, kv_lora], ctx_pe [L, rope] -> [q, H, v]."""
-        L = ctx_c.shape[0]
-        kv = self._kv_b_proj[0](ctx_c).view(L, self.num_heads, -1)
+        """q [q, H, nope+rope], kv [L, H * (nope + v)] (the context's latents through
+        kv_b_proj), ctx_pe [L, rope] -> [q, H, v]."""
+        L = kv.shape[0]
+        kv = kv.view(L, self.num_heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, ctx_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
         # Zero-pad v to the q/k head size: torch's fused CPU attention kernel needs equal head
