@@ -68,7 +68,8 @@ def test_mla_layer_prefers_the_kernel_in_bf16_only(kernels):
     _skip_without_kernel(kernels)
     layer, *_ = _layer_and_inputs()
     assert layer.prefers_in_place_decode
-    fp32 = MLAAttention(HEADS, NOPE, ROPE, V_DIM, LORA, 0.15, nn.Linear(LORA, HEADS * (NOPE + V_DIM)))
+    kv_b = nn.Linear(LORA, HEADS * (NOPE + V_DIM))
+    fp32 = MLAAttention(HEADS, NOPE, ROPE, V_DIM, LORA, 0.15, kv_b)
     fp32.process_weights_after_loading()
     assert not fp32.prefers_in_place_decode
 

@@ -47,22 +47,26 @@ inline void interleave_rows(const bf16* src0, const bf16* src1, int64_t D, bf16*
   }
 }
 
-// One sequence, all heads: out [H, Dv] for q [H, Dk].
+// Per-thread buffers of mla_decode_seq, reused from one sequence to the next.
 struct SeqScratch {
   std::vector<bf16> q_packed;   // [Dk / 2][16][2], one head chunk
   std::vector<float> scores;    // [blocks * 16][16]: token-major score tiles
   std::vector<bf16> probs;      // [16][tokens rounded up to 32]
   std::vector<bf16> v_packed;   // [tokens rounded up to 32 / 2][Dv][2]
-  std::vector<float> row;
+  std::vector<float> row;       // one head's scores, then probabilities
 };
 
+// One sequence, all heads: out [H, Dv] for q [H, Dk]; blocks are its block-table row, L its
+// length. Needs a TileScope.
 void mla_decode_seq(const bf16* q, int64_t H, int64_t Dk, const bf16* cache,
                     const int64_t* blocks, int64_t L, int64_t Dv, float scale, bf16* out,
                     SeqScratch& s) {
   const int64_t num_blocks = (L + kBlockSize - 1) / kBlockSize;
   const int64_t L32 = (L + kTileK - 1) / kTileK * kTileK;  // k of the value product
   const int64_t block_elems = kBlockSize * Dk;
-  auto row_at = [&](int64_t l) { return cache + blocks[l / kBlockSize] * block_elems + (l % kBlockSize) * Dk; };
+  auto row_at = [&](int64_t l) {
+    return cache + blocks[l / kBlockSize] * block_elems + (l % kBlockSize) * Dk;
+  };
 
   // Values, once for all heads: token pairs interleaved, zero past L (0 * garbage could be NaN).
   s.v_packed.assign(L32 * Dv, bf16(0.f));

@@ -1,4 +1,4 @@
-// Routed experts of a decode-sized batch in one call (bf16):
+// Routed experts in one call (bf16):
 //   fused_experts(hidden [N, H], expert_ids [N], w13 [E, 2I, H], w2 [E, H, I]) -> [N, H]
 //   out[r] = w2[e] @ silu(w13[e][:I] @ hidden[r]) * (w13[e][I:] @ hidden[r]), e = expert_ids[r];
 //   rows with expert id -1 come out as zeros.
@@ -8,10 +8,11 @@
 //
 // Why a kernel: at decode each expert gets a handful of rows and the time goes into reading
 // its weights. A task here streams one block of one expert's weight rows once and multiplies
-// it with every row routed to that expert (AVX512-BF16 dot products, fp32 sums), so each
-// weight is read once per step however skewed the routing is, with no per-expert Python call,
-// no padding rows and no [E, P, H] grid. Prefill-sized batches keep the grouped matmuls, whose
-// library kernels (AMX) win once an expert has many rows.
+// it with every row routed to that expert, so each weight is read once per step however
+// skewed the routing is, with no per-expert Python call, no padding rows and no [E, P, H]
+// grid. Two paths: AMX tile products (amx.h; H and I multiples of 32), faster than the
+// grouped library matmuls at every batch size measured, and AVX512-BF16 dot products for
+// other sizes and CPUs without AMX, which the caller uses for decode-sized batches only.
 #include "amx.h"
 #include "vec.h"
 
@@ -212,7 +213,8 @@ void experts_amx(const bf16* xp, const Routing& rt, const bf16* w13p, const bf16
 
   at::parallel_for(0, static_cast<int64_t>(rt.order.size()), 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t e = std::upper_bound(rt.starts.begin(), rt.starts.end(), i) - rt.starts.begin() - 1;
+      const int64_t e =
+          std::upper_bound(rt.starts.begin(), rt.starts.end(), i) - rt.starts.begin() - 1;
       const int64_t r = i - rt.starts[e];
       pack_row(xp + rt.order[i] * hidden_size, hidden_size,
                px + (chunk0[e] + r / kTile) * x_chunk, r % kTile);
@@ -309,7 +311,8 @@ torch::Tensor fused_experts(torch::Tensor hidden, torch::Tensor expert_ids, torc
     const int64_t* idp = ids.data_ptr<int64_t>();
     bf16* op = out.data_ptr<bf16>();
     for (int64_t r = 0; r < num_rows; ++r)
-      if (idp[r] < 0) std::memset(static_cast<void*>(op + r * hidden_size), 0, hidden_size * sizeof(bf16));
+      if (idp[r] < 0)
+        std::memset(static_cast<void*>(op + r * hidden_size), 0, hidden_size * sizeof(bf16));
   }
   const bf16* xp = hidden.data_ptr<bf16>();
   const bf16* w13p = w13.data_ptr<bf16>();
