@@ -10,12 +10,12 @@ from torch import nn
 
 from widellm.forward_context import set_forward_context
 from widellm.layers.attention_metadata import build_attention_metadata
-from widellm.layers.mla import MLA_KERNEL_BLOCK_SIZE, MLAAttention
+from widellm.layers.mla import MLAAttention
 from widellm.ops.cpu_attention import paged_decode_attention_reference
 
 pytestmark = pytest.mark.usefixtures("kernels")
 
-BLOCK = MLA_KERNEL_BLOCK_SIZE
+BLOCK = 16  # the kernel's block size: one cache block is one 16-row score tile
 NUM_BLOCKS = 40
 # 20 heads: a full 16-head chunk and a partial one. Latent 64 + rope 32 = 96 = 3 tile k-steps.
 HEADS, NOPE, ROPE, V_DIM, LORA = 20, 32, 32, 48, 64
@@ -67,11 +67,12 @@ def _decode(layer, cache, bt, q, kv_c, k_pe, in_place: bool) -> torch.Tensor:
 def test_mla_layer_prefers_the_kernel_in_bf16_only(kernels):
     _skip_without_kernel(kernels)
     layer, *_ = _layer_and_inputs()
-    assert layer.prefers_in_place_decode
+    assert layer.prefers_in_place_decode(BLOCK)
+    assert not layer.prefers_in_place_decode(2 * BLOCK)  # the kernel's tiles are 16 tokens
     kv_b = nn.Linear(LORA, HEADS * (NOPE + V_DIM))
     fp32 = MLAAttention(HEADS, NOPE, ROPE, V_DIM, LORA, 0.15, kv_b)
     fp32.process_weights_after_loading()
-    assert not fp32.prefers_in_place_decode
+    assert not fp32.prefers_in_place_decode(BLOCK)
 
 
 def test_mla_kernel_matches_the_gather_form(kernels):

@@ -33,8 +33,10 @@ def gather_from_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    # Decodes read the cache in place with the CPU kernel when the model runner offers it.
-    prefers_in_place_decode = True
+    def prefers_in_place_decode(self, block_size: int) -> bool:
+        """Decodes read the cache in place with the CPU kernel (any block size) when the
+        model runner offers it."""
+        return True
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
         super().__init__()

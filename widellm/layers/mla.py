@@ -23,18 +23,14 @@ from widellm.layers.attention_metadata import AttentionMetadata
 from widellm.ops.cpu_attention import paged_decode_attention
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
-# The cache block size the AMX MLA kernel is built for: one 16-token block is one score tile.
-MLA_KERNEL_BLOCK_SIZE = 16
-
 
 class MLAAttention(nn.Module):
-    # Decode form (read by the model runner after loading): in place, through the AMX MLA
-    # kernel, where it runs (bf16, AMX, the engine's block size of 16): 1.2 vs ~4.7 ms per
+    # Decode form (asked by the model runner after loading): in place, through the AMX MLA
+    # kernel, where it runs (bf16, AMX, cache blocks of 16 tokens): 1.2 vs ~4.7 ms per
     # layer for the gather + bmm form at 64 sequences x ~150 positions. Without it the gather
     # form: with 16+ query heads sharing one 576-wide latent, decode is compute-bound, and the
     # absorbed bmm on the gathered context (oneDNN, AMX) beat the generic in-place kernel's
     # fp32 FMAs (6.0 vs 10.7 ms per layer at 64 sequences x 256 positions).
-    prefers_in_place_decode = False
 
     def __init__(
         self,
@@ -70,9 +66,12 @@ class MLAAttention(nn.Module):
         )
         self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()
         self.w_uv_t = w[:, self.qk_nope_head_dim:].transpose(1, 2).contiguous()
-        self.prefers_in_place_decode = w.dtype == torch.bfloat16 and self._amx_kernel_runs(
-            MLA_KERNEL_BLOCK_SIZE
-        )
+
+    def prefers_in_place_decode(self, block_size: int) -> bool:
+        """In place only through the AMX MLA kernel (bf16, AMX, this block size); see the
+        class comment."""
+        return (self.w_uk is not None and self.w_uk.dtype == torch.bfloat16
+                and self._amx_kernel_runs(block_size))
 
     def _amx_kernel_runs(self, block_size: int) -> bool:
         kernels = load_cpu_kernels()
@@ -147,7 +146,8 @@ class MLAAttention(nn.Module):
         """q [D, H, nope+rope] -> [D, H, v], reading the latent cache in place: one shared
         576-wide key head for all H query heads, values = its first kv_lora_rank columns.
         The AMX MLA kernel where it runs (its reference twin is :meth:`_decode_absorbed`),
-        else the generic paged decode kernel."""
+        else the generic paged decode kernel (slower than the gather form, so only reached
+        when a caller asks for the in-place form regardless)."""
         q_cat = self._absorb_query(q)  # [D, H, kv_lora+rope]
         if q_cat.dtype == torch.bfloat16 and self._amx_kernel_runs(self.kv_cache.shape[1]):
             o_lat = load_cpu_kernels().mla_decode_attention(

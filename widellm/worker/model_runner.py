@@ -53,7 +53,7 @@ class ModelRunner:
         attn = [m for m in self.model.modules() if hasattr(m, "prefers_in_place_decode")]
         self.decode_in_place = (
             not torch.cuda.is_available()
-            and all(m.prefers_in_place_decode for m in attn)
+            and all(m.prefers_in_place_decode(self.block_size) for m in attn)
             and load_cpu_kernels() is not None
         )
         self.step_timer = step_timer
