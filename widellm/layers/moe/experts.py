@@ -168,9 +168,8 @@ def fused_experts_backend(hidden: torch.Tensor, w13: torch.Tensor) -> str | None
     backend = kernels.fused_experts_backend(hidden_size, two_inter // 2)
     if backend == "amx":
         return backend
-    if backend == "avx512_bf16" and hidden.shape[0] <= DOT_KERNEL_MAX_ROWS_PER_EXPERT * num_experts:
-        return backend
-    return None
+    few_rows = hidden.shape[0] <= DOT_KERNEL_MAX_ROWS_PER_EXPERT * num_experts
+    return backend if backend == "avx512_bf16" and few_rows else None
 
 
 def fused_experts_forward(
