@@ -77,6 +77,8 @@ def experts_cases(args) -> list[dict]:
 def mla_cases(args) -> list[dict]:
     from torch import nn
 
+    from widellm.layers.attention import gather_from_cache
+    from widellm.layers.attention_metadata import DECODE_LEN_BUCKET
     from widellm.layers.mla import MLAAttention
 
     g = torch.Generator().manual_seed(1)
@@ -94,16 +96,18 @@ def mla_cases(args) -> list[dict]:
         bt = torch.randperm(num_blocks, generator=g)[: seqs * max_blocks].view(seqs, max_blocks)
         q = (torch.randn(seqs, HEADS, nope + ROPE, generator=g) * 0.1).bfloat16()
         q_cat = layer._absorb_query(q).contiguous()
-        # The gather form's inputs, built as the metadata builder does (padded, masked).
-        max_len = int(lens.max())
+        # The gather form's inputs as the metadata builder makes them: lengths padded to its
+        # bucket (few distinct GEMM shapes), padding masked; the gather is timed with it.
+        max_len = -(-int(lens.max()) // DECODE_LEN_BUCKET) * DECODE_LEN_BUCKET
         pos = torch.arange(max_len)
         valid = pos[None, :] < lens[:, None]
-        slots = torch.where(valid, bt[:, pos // BLOCK] * BLOCK + pos % BLOCK, 0)
+        block_idx = (pos // BLOCK).clamp(max=max_blocks - 1)
+        slots = torch.where(valid, bt[:, block_idx] * BLOCK + pos % BLOCK, 0)
         flat = cache.flatten(0, 1)
         mask = valid[:, None, None, :]
         fns = {
             "kernel": lambda: kernels.mla_decode_attention(q_cat, cache, bt, lens, LORA, 0.07),
-            "gather+bmm": lambda: layer._decode_absorbed(q, flat[slots], mask),
+            "gather+bmm": lambda: layer._decode_absorbed(q, gather_from_cache(flat, slots), mask),
         }
         times = best_ms(fns, args.iters, args.repeats)
         out.append({"kernel": "mla_decode_attention", "seqs": seqs, "mean_len": mean_len,
