@@ -54,6 +54,7 @@ struct SeqScratch {
   std::vector<bf16> probs;      // [16][tokens rounded up to 32]
   std::vector<bf16> v_packed;   // [tokens rounded up to 32 / 2][Dv][2]
   std::vector<float> row;       // one head's scores, then probabilities
+  std::vector<bf16> zero_row;   // [Dv] zeros: the partner of an odd length's last token
 };
 
 // One sequence, all heads: out [H, Dv] for q [H, Dk]; blocks are its block-table row, L its
@@ -69,10 +70,13 @@ void mla_decode_seq(const bf16* q, int64_t H, int64_t Dk, const bf16* cache,
   };
 
   // Values, once for all heads: token pairs interleaved, zero past L (0 * garbage could be NaN).
-  s.v_packed.assign(L32 * Dv, bf16(0.f));
-  std::vector<bf16> zero_row(Dv, bf16(0.f));
+  // Pairs up to L are written whole, so only the pairs after them are zeroed.
+  const int64_t L2 = (L + 1) / 2 * 2;
+  s.v_packed.resize(L32 * Dv);
+  std::fill(s.v_packed.begin() + L2 * Dv, s.v_packed.end(), bf16(0.f));
+  s.zero_row.assign(Dv, bf16(0.f));
   for (int64_t l = 0; l < L; l += 2) {
-    const bf16* r1 = l + 1 < L ? row_at(l + 1) : zero_row.data();
+    const bf16* r1 = l + 1 < L ? row_at(l + 1) : s.zero_row.data();
     interleave_rows(row_at(l), r1, Dv, s.v_packed.data() + l * Dv);
   }
 

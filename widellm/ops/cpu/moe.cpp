@@ -112,9 +112,9 @@ std::vector<Task> make_tasks(const std::vector<int64_t>& counts, int64_t width) 
 }
 
 // The rows of each expert: order[starts[e] : starts[e + 1]] are expert e's row indices, in
-// input order (a counting sort; rows with id -1 are left out).
+// input order (a counting sort); rows with id -1 are listed in skipped.
 struct Routing {
-  std::vector<int64_t> counts, starts, order;
+  std::vector<int64_t> counts, starts, order, skipped;
 };
 
 Routing sort_rows(const torch::Tensor& expert_ids, int64_t num_experts) {
@@ -122,11 +122,15 @@ Routing sort_rows(const torch::Tensor& expert_ids, int64_t num_experts) {
   const int64_t* idp = ids.data_ptr<int64_t>();
   const int64_t num_rows = ids.size(0);
   Routing routing{std::vector<int64_t>(num_experts, 0), std::vector<int64_t>(num_experts + 1, 0),
-                  {}};
+                  {}, {}};
   for (int64_t r = 0; r < num_rows; ++r) {
     TORCH_CHECK_VALUE(idp[r] >= -1 && idp[r] < num_experts, "expert id ", idp[r],
                       " out of range for ", num_experts, " local experts");
-    if (idp[r] >= 0) ++routing.counts[idp[r]];
+    if (idp[r] >= 0) {
+      ++routing.counts[idp[r]];
+    } else {
+      routing.skipped.push_back(r);
+    }
   }
   for (int64_t e = 0; e < num_experts; ++e)
     routing.starts[e + 1] = routing.starts[e] + routing.counts[e];
@@ -306,14 +310,9 @@ torch::Tensor fused_experts(torch::Tensor hidden, torch::Tensor expert_ids, torc
   const Routing routing = sort_rows(expert_ids, num_experts);
   // Every row is written: by its expert, or zeroed here when skipped (-1).
   auto out = torch::empty_like(hidden);
-  {
-    const auto ids = expert_ids.contiguous();
-    const int64_t* idp = ids.data_ptr<int64_t>();
-    bf16* op = out.data_ptr<bf16>();
-    for (int64_t r = 0; r < num_rows; ++r)
-      if (idp[r] < 0)
-        std::memset(static_cast<void*>(op + r * hidden_size), 0, hidden_size * sizeof(bf16));
-  }
+  for (const int64_t r : routing.skipped)
+    std::memset(static_cast<void*>(out.data_ptr<bf16>() + r * hidden_size), 0,
+                hidden_size * sizeof(bf16));
   const bf16* xp = hidden.data_ptr<bf16>();
   const bf16* w13p = w13.data_ptr<bf16>();
   const bf16* w2p = w2.data_ptr<bf16>();
