@@ -187,3 +187,80 @@ def test_kernel_engine_block_size_full_blocks(dtype, atol):
     ref = paged_decode_attention_reference(q.double(), k.double(), v.double(), block_table,
                                            seq_lens, 0.125)
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+def _bf16_case(lens, kv_heads, group, dk, dv, seed, block_size=16, num_blocks=48):
+    """bf16 cache in 16-row blocks (the AVX512-BF16 path's shape), with every cache row a
+    sequence does not own NaN: the unused tail of its last block and the blocks its table
+    lists past its length."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.full((num_blocks, block_size, kv_heads, dk), float("nan"), dtype=torch.bfloat16)
+    v = torch.full((num_blocks, block_size, kv_heads, dv), float("nan"), dtype=torch.bfloat16)
+    max_blocks = -(-max(lens) // block_size) + 1
+    poison = num_blocks - 1
+    ids = torch.randperm(num_blocks - 1, generator=gen)
+    block_table = torch.full((len(lens), max_blocks), poison, dtype=torch.int64)
+    used = 0
+    for b, n in enumerate(lens):
+        blocks = ids[used:used + -(-n // block_size)]
+        used += len(blocks)
+        block_table[b, :len(blocks)] = blocks
+        for i, blk in enumerate(blocks.tolist()):
+            rows = min(block_size, n - i * block_size)
+            k[blk, :rows] = torch.randn(rows, kv_heads, dk, generator=gen).to(torch.bfloat16)
+            v[blk, :rows] = torch.randn(rows, kv_heads, dv, generator=gen).to(torch.bfloat16)
+    q = torch.randn(len(lens), kv_heads, group, dk, generator=gen).to(torch.bfloat16)
+    return q, k, v, block_table, torch.tensor(lens, dtype=torch.int64)
+
+
+# Group sizes 1-4 (one pass of query rows), 5 and 9 (two and three); value widths of 32
+# (one 32-column pass), 64 and 96 (a 64- and a 32-column pass); lengths on and off 16 and 2.
+@pytest.mark.parametrize("kv_heads,group,dk,dv", [
+    (3, 3, 64, 64), (1, 1, 32, 32), (2, 4, 128, 128), (2, 5, 64, 96), (1, 9, 96, 64),
+])
+def test_bf16_path_matches_fp64_reference(kernels, kv_heads, group, dk, dv):
+    lens = [1, 2, 15, 16, 17, 33, 150, 64]
+    q, k, v, bt, seq_lens = _bf16_case(lens, kv_heads, group, dk, dv, seed=group + dk)
+    assert kernels.paged_decode_attention_backend(16, group, dk, dv) in ("avx512_bf16", "vector")
+    out = paged_decode_attention(q, k, v, bt, seq_lens, dk ** -0.5)
+    assert out.shape == (len(lens), kv_heads, group, dv) and out.dtype == torch.bfloat16
+    assert not out.isnan().any()
+    ref = paged_decode_attention_reference(q.double(), k.double(), v.double(), bt, seq_lens,
+                                           dk ** -0.5)
+    # bf16 probabilities (relative error 2^-9) times values of size ~1, then the bf16 output.
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_bf16_path_single_position_returns_its_value(kernels):
+    q, k, v, bt, seq_lens = _bf16_case([1], 2, 3, 64, 64, seed=11)
+    out = paged_decode_attention(q, k, v, bt, seq_lens, 0.125)
+    expected = v[bt[0, 0], 0][:, None, :].expand(2, 3, 64)
+    torch.testing.assert_close(out[0], expected, atol=0, rtol=0)
+
+
+def test_bf16_path_values_are_a_view_of_keys(kernels):
+    """V sharing K's storage (MLA's latent cache through the generic kernel): strided rows."""
+    q, k, _, bt, seq_lens = _bf16_case([40, 7], 1, 4, 96, 96, seed=12)
+    v = k[..., :64]
+    out = paged_decode_attention(q, k, v, bt, seq_lens, 0.1)
+    ref = paged_decode_attention_reference(q.double(), k.double(), v.double(), bt, seq_lens, 0.1)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_backend_names_the_path(kernels):
+    """bf16 takes the AVX512-BF16 path only for 16-row blocks and 32-multiple head sizes."""
+    fast = kernels.paged_decode_attention_backend(16, 3, 64, 64)
+    assert fast in ("avx512_bf16", "vector")  # "vector" on CPUs without AVX512-BF16
+    assert kernels.paged_decode_attention_backend(4, 3, 64, 64) == "vector"
+    assert kernels.paged_decode_attention_backend(16, 3, 48, 64) == "vector"
+    assert kernels.paged_decode_attention_backend(16, 3, 64, 80) == "vector"
+    assert kernels.paged_decode_attention_backend(32, 3, 64, 64) == fast
+
+
+def test_bad_block_ids_are_rejected(kernels):
+    q, k, v, bt, seq_lens = _bf16_case([20], 1, 2, 32, 32, seed=13)
+    bt[0, 1] = k.shape[0]
+    with pytest.raises(ValueError, match="block id out of range"):
+        paged_decode_attention(q, k, v, bt, seq_lens, 0.2)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_decode_attention(q, k, v, bt, seq_lens * 100, 0.2)

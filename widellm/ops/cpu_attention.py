@@ -4,7 +4,9 @@ softmax attention).
 
 The gather-then-attend path copies every sequence's whole context out of the cache each layer
 and step, then reads it again; at batch 64 that is most of a small model's decode time. The
-kernel reads each cached row once. Where the kernels cannot be built (see
+kernel reads each cached row once; in bf16 (16-row blocks, head sizes multiples of 32) it
+multiplies the bf16 rows as they are stored (AVX512-BF16 dot products) and rounds the softmax
+probabilities to bf16, as torch's CPU flash attention does. Where the kernels cannot be built (see
 :mod:`widellm.ops.cpu_kernels`) callers use the reference path.
 """
 

@@ -23,7 +23,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
-SOURCES = ("bindings.cpp", "paged_attention.cpp", "elementwise.cpp", "mla_decode.cpp", "moe.cpp")
+SOURCES = (
+    "bindings.cpp", "paged_attention.cpp", "paged_attention_bf16.cpp", "elementwise.cpp",
+    "mla_decode.cpp", "moe.cpp",
+)
 ENV_DISABLE = "WIDELLM_CPU_KERNELS"
 # -march=native: AVX-512 intrinsics where this CPU has them, plain loops otherwise.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -4,6 +4,8 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_table,
                                      torch::Tensor seq_lens, double scale);
+std::string paged_decode_attention_backend(int64_t block_size, int64_t group, int64_t head_size,
+                                           int64_t v_head_size);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual,
@@ -23,6 +25,9 @@ torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention reading K/V in place (CPU)");
+  m.def("paged_decode_attention_backend", &paged_decode_attention_backend,
+        "Path of paged_decode_attention in bf16 for (block_size, group, head_size, v_head_size): "
+        "amx or vector");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with Hugging Face's rounding (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,

@@ -34,16 +34,11 @@ constexpr int64_t kBlockSize = 16;  // cache rows per block: one score tile's ro
 // dst[p][n][0..1] = (src0[n], src1[n]) for n < D: two value rows interleaved into one row of
 // AMX's B layout over tokens (D a multiple of 32).
 inline void interleave_rows(const bf16* src0, const bf16* src1, int64_t D, bf16* dst) {
-  const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003,
-                                       0x00240004, 0x00250005, 0x00260006, 0x00270007,
-                                       0x00280008, 0x00290009, 0x002A000A, 0x002B000B,
-                                       0x002C000C, 0x002D000D, 0x002E000E, 0x002F000F);
-  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t n = 0; n < D; n += 32) {
-    const __m512i a = _mm512_loadu_si512(src0 + n);
-    const __m512i b = _mm512_loadu_si512(src1 + n);
-    _mm512_storeu_si512(dst + 2 * n, _mm512_permutex2var_epi16(a, lo, b));
-    _mm512_storeu_si512(dst + 2 * n + 32, _mm512_permutex2var_epi16(a, hi, b));
+    __m512i lo, hi;
+    interleave_pairs(_mm512_loadu_si512(src0 + n), _mm512_loadu_si512(src1 + n), lo, hi);
+    _mm512_storeu_si512(dst + 2 * n, lo);
+    _mm512_storeu_si512(dst + 2 * n + 32, hi);
   }
 }
 

@@ -7,7 +7,9 @@
 // h is the KV head and g indexes the query heads that share it (grouped-query attention; MLA
 // decode is Hkv = 1 with every query head in g and V a prefix of the latent K row). Each
 // K row is scored by its G query rows while it is in cache, so every K and V row is read
-// once per step. Accumulation is in fp32.
+// once per step. Accumulation is in fp32. bf16 caches in 16-row blocks with head sizes that
+// are multiples of 32 take the AVX512-BF16 path instead (paged_attention_bf16.cpp), where the
+// CPU has it.
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -17,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -36,28 +39,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
-
-#if defined(__AVX512F__)
-// The 16 lane-sums of a[0..15], in order, as one vector: a transpose-and-add tree (unpack
-// pairs, then 64-bit halves, then 128-bit lanes twice) instead of 16 separate reductions.
-inline __m512 reduce16(const __m512* a) {
-  __m512 c[4];
-  for (int q = 0; q < 4; ++q) {
-    const __m512* x = a + 4 * q;
-    const __m512 b01 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
-    const __m512 b23 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
-    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b01), _mm512_castps_pd(b23));
-    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b01), _mm512_castps_pd(b23));
-    c[q] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // lane L: x0..x3 sums of L
-  }
-  constexpr int kEven = 0x88, kOdd = 0xDD;  // 128-bit lanes (0, 2 | 0, 2) and (1, 3 | 1, 3)
-  const __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], kEven),
-                                   _mm512_shuffle_f32x4(c[0], c[1], kOdd));
-  const __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], kEven),
-                                   _mm512_shuffle_f32x4(c[2], c[3], kOdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, kEven), _mm512_shuffle_f32x4(f01, f23, kOdd));
-}
-#endif
 
 // out[g * ld + j] = q[g] . k[j] for g < G, j < n.  q [G, D], k [n, D] fp32.
 inline void score_rows(const float* q, const float* k, int64_t G, int64_t n, int64_t D,
@@ -224,6 +205,19 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
 
 }  // namespace
 
+bool paged_decode_bf16_supported(int64_t block_size, int64_t group, int64_t head_size,
+                                int64_t v_head_size);
+void paged_decode_attention_bf16(torch::Tensor& out, const torch::Tensor& q,
+                                const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                                double scale);
+
+// Which path paged_decode_attention takes for bf16 (fp32 and fp16 always take "vector").
+std::string paged_decode_attention_backend(int64_t block_size, int64_t group, int64_t head_size,
+                                           int64_t v_head_size) {
+  return paged_decode_bf16_supported(block_size, group, head_size, v_head_size) ? "avx512_bf16" : "vector";
+}
+
 // q [B, Hkv, G, Dk] contiguous; k_cache [num_blocks, block_size, Hkv, Dk] and v_cache
 // [num_blocks, block_size, Hkv, Dv] with unit stride in the last dim (v may be a view into the
 // same storage as k); block_table [B, max_blocks] int64; seq_lens [B] int64.
@@ -244,7 +238,24 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous(),
               "seq_lens must be contiguous int64");
   TORCH_CHECK(block_table.size(0) == q.size(0) && seq_lens.size(0) == q.size(0), "batch sizes differ");
+  // Every block a sequence reaches must exist: the kernels read them without further checks.
+  const int64_t* bt = block_table.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t block_size = k_cache.size(1), max_blocks = block_table.size(1);
+  const int64_t num_blocks = std::min(k_cache.size(0), v_cache.size(0));
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK_VALUE(lens[b] >= 0 && lens[b] <= max_blocks * block_size,
+                      "paged_decode_attention: seq_lens[", b, "] out of range");
+    for (int64_t i = 0; i < (lens[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK_VALUE(bt[b * max_blocks + i] >= 0 && bt[b * max_blocks + i] < num_blocks,
+                        "paged_decode_attention: block id out of range");
+  }
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v_cache.size(3)}, q.options());
+  if (q.scalar_type() == torch::kBFloat16 &&
+      paged_decode_bf16_supported(block_size, q.size(2), q.size(3), v_cache.size(3))) {
+    paged_decode_attention_bf16(out, q, k_cache, v_cache, block_table, seq_lens, scale);
+    return out;
+  }
   dispatch_float_types(q.scalar_type(), "paged_decode_attention", [&](auto t) {
     decode_kernel<decltype(t)>(out, q, k_cache, v_cache, block_table, seq_lens, scale);
   });

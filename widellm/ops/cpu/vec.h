@@ -133,6 +133,44 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// The 16 lane-sums of a[0..15], in order, as one vector: a transpose-and-add tree (unpack
+// pairs, then 64-bit halves, then 128-bit lanes twice) instead of 16 separate reductions.
+inline __m512 reduce16(const __m512* a) {
+  __m512 c[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512* x = a + 4 * q;
+    const __m512 b01 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 b23 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b01), _mm512_castps_pd(b23));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b01), _mm512_castps_pd(b23));
+    c[q] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // lane L: x0..x3 sums of L
+  }
+  constexpr int kEven = 0x88, kOdd = 0xDD;  // 128-bit lanes (0, 2 | 0, 2) and (1, 3 | 1, 3)
+  const __m512 f01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], kEven),
+                                   _mm512_shuffle_f32x4(c[0], c[1], kOdd));
+  const __m512 f23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], kEven),
+                                   _mm512_shuffle_f32x4(c[2], c[3], kOdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, kEven), _mm512_shuffle_f32x4(f01, f23, kOdd));
+}
+#endif
+
+
+#if defined(__AVX512F__)
+// Two rows of 32 bf16 as 32 (a[i], b[i]) pairs: i < 16 into lo, 16 <= i < 32 into hi. This is
+// how two tokens' value rows meet a pair of probabilities in a bf16 dot product (one AMX B
+// tile row, or one vdpbf16ps operand).
+inline void interleave_pairs(__m512i a, __m512i b, __m512i& lo, __m512i& hi) {
+  const __m512i lo_idx = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003,
+                                           0x00240004, 0x00250005, 0x00260006, 0x00270007,
+                                           0x00280008, 0x00290009, 0x002A000A, 0x002B000B,
+                                           0x002C000C, 0x002D000D, 0x002E000E, 0x002F000F);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  lo = _mm512_permutex2var_epi16(a, lo_idx, b);
+  hi = _mm512_permutex2var_epi16(a, hi_idx, b);
+}
+#endif
+
 // g[:n] <- silu(g[:n]) * u[:n], rounded as torch rounds F.silu(g) * u in T: silu's result is
 // stored as T before the product.
 template <typename T>
