@@ -264,3 +264,12 @@ def test_bad_block_ids_are_rejected(kernels):
         paged_decode_attention(q, k, v, bt, seq_lens, 0.2)
     with pytest.raises(ValueError, match="seq_lens"):
         paged_decode_attention(q, k, v, bt, seq_lens * 100, 0.2)
+
+
+def test_bf16_path_matches_vector_path(kernels):
+    """The two C++ paths on the same bf16 inputs: they differ only where the fast path rounds
+    the probabilities to bf16."""
+    q, k, v, bt, seq_lens = _bf16_case([150, 3, 64, 31], 3, 3, 64, 64, seed=14)
+    fast = kernels.paged_decode_attention(q, k, v, bt, seq_lens, 0.125)
+    vector = kernels.paged_decode_attention(q, k, v, bt, seq_lens, 0.125, bf16_dot=False)
+    torch.testing.assert_close(fast.float(), vector.float(), atol=1.6e-2, rtol=1e-2)

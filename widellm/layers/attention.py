@@ -14,7 +14,7 @@ from torch import nn
 
 from widellm.forward_context import get_forward_context
 from widellm.layers.attention_metadata import AttentionMetadata
-from widellm.ops.cpu_attention import paged_decode_attention
+from widellm.ops.cpu_attention import paged_decode_attention, prefill_attention_kernels
 
 
 def store_to_cache(cache: torch.Tensor, md: AttentionMetadata, values: torch.Tensor) -> None:
@@ -75,13 +75,18 @@ class Attention(nn.Module):
             )
             out[:d] = o.squeeze(2)
 
+        kernels = prefill_attention_kernels(q, self.head_dim, self.head_dim)
         for p in md.prefills:
-            qs = q[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             if p.context_slots is None:
                 ks, vs = k[p.token_start:p.token_end], v[p.token_start:p.token_end]
             else:
                 ks = gather_from_cache(k_cache, p.context_slots)
                 vs = gather_from_cache(v_cache, p.context_slots)
+            if kernels is not None:  # causal over the context, written in place
+                kernels.prefill_attention(q[p.token_start:p.token_end], ks, vs,
+                                          out[p.token_start:p.token_end], self.scale)
+                continue
+            qs = q[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             o = F.scaled_dot_product_attention(
                 qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
                 attn_mask=p.mask, is_causal=p.mask is None, scale=self.scale, enable_gqa=True,

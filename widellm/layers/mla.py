@@ -20,7 +20,7 @@ from torch import nn
 from widellm.forward_context import get_forward_context
 from widellm.layers.attention import gather_from_cache, store_to_cache
 from widellm.layers.attention_metadata import AttentionMetadata
-from widellm.ops.cpu_attention import paged_decode_attention
+from widellm.ops.cpu_attention import paged_decode_attention, prefill_attention_kernels
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
 
@@ -122,6 +122,11 @@ class MLAAttention(nn.Module):
         kv = kv.view(L, self.num_heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, ctx_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+        kernels = prefill_attention_kernels(q, k.shape[-1], self.v_head_dim)
+        if kernels is not None:  # causal over the context, as the mask below
+            out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+            kernels.prefill_attention(q, k, v, out, self.scale)
+            return out
         # Zero-pad v to the q/k head size: torch's fused CPU attention kernel needs equal head
         # sizes, and without it SDPA falls back to its slow unfused path.
         pad = k.shape[-1] - self.v_head_dim

@@ -55,3 +55,28 @@ def paged_decode_attention_reference(
     # zero probability times a non-finite value would still poison the sum.
     v = v.to(acc).masked_fill(~valid[:, :, None, None], 0.0)
     return torch.einsum("bhgl,blhd->bhgd", probs, v).to(q.dtype)
+
+
+def prefill_attention_kernels(q: torch.Tensor, head_size: int, v_head_size: int):
+    """The kernels module when its causal prefill kernel runs for ``q`` (bf16 on CPU, AMX,
+    head sizes multiples of 32), else None: callers then take their torch SDPA path."""
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu":
+        return None
+    kernels = load_cpu_kernels()
+    if kernels is None or not kernels.prefill_attention_supported(head_size, v_head_size):
+        return None
+    return kernels
+
+
+def prefill_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Twin of the kernels' ``prefill_attention``: q [Lq, H, Dk] at the last Lq of L positions,
+    k [L, Hkv, Dk], v [L, Hkv, Dv] -> [Lq, H, Dv], causal, in torch SDPA."""
+    Lq, L = q.shape[0], k.shape[0]
+    allowed = torch.arange(L)[None, :] <= torch.arange(L - Lq, L)[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0), attn_mask=allowed, scale=scale, enable_gqa=True,
+    )
+    return o.squeeze(0).transpose(0, 1)

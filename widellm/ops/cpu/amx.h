@@ -3,8 +3,12 @@
 // activation rows are the B operand, packed once per call in AMX's pair layout, 16 rows per
 // chunk; one tile product does 16 x 16 x 32 multiply-adds and the result comes out
 // transposed ([weight row][activation row]). Used by the routed-expert kernel (moe.cpp), where
-// each expert's weight meets a few rows and reading it once is all the time there is.
+// each expert's weight meets a few rows and reading it once is all the time there is. The
+// attention kernels (mla_decode.cpp, prefill_attention.cpp) interleave value rows into the
+// pair layout with interleave_rows.
 #pragma once
+
+#include "vec.h"
 
 #include <torch/extension.h>
 
@@ -96,6 +100,18 @@ inline void tile_column(const float* tile, int64_t m, float* dst) {
       _mm512_set1_epi32(static_cast<int>(kTile)));
   _mm512_storeu_ps(dst, _mm512_i32gather_ps(rows, tile + m, sizeof(float)));
   _mm512_storeu_ps(dst + kTile, _mm512_i32gather_ps(rows, tile + kTile * kTile + m, sizeof(float)));
+}
+
+// dst[p][n][0..1] = (src0[n], src1[n]) for n < D: two value rows interleaved into one row of
+// AMX's B layout over tokens (D a multiple of 32).
+inline void interleave_rows(const at::BFloat16* src0, const at::BFloat16* src1, int64_t D,
+                            at::BFloat16* dst) {
+  for (int64_t n = 0; n < D; n += 32) {
+    __m512i lo, hi;
+    interleave_pairs(_mm512_loadu_si512(src0 + n), _mm512_loadu_si512(src1 + n), lo, hi);
+    _mm512_storeu_si512(dst + 2 * n, lo);
+    _mm512_storeu_si512(dst + 2 * n + 32, hi);
+  }
 }
 #endif
 

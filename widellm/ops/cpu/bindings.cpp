@@ -3,7 +3,7 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_table,
-                                     torch::Tensor seq_lens, double scale);
+                                     torch::Tensor seq_lens, double scale, bool bf16_dot);
 std::string paged_decode_attention_backend(int64_t block_size, int64_t group, int64_t head_size,
                                            int64_t v_head_size);
 torch::Tensor silu_and_mul(torch::Tensor x);
@@ -20,11 +20,18 @@ bool mla_decode_supported(int64_t block_size, int64_t head_size, int64_t v_head_
 torch::Tensor mla_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
                                    torch::Tensor seq_lens, int64_t v_head_size, double scale);
 
+bool prefill_attention_supported(int64_t head_size, int64_t v_head_size);
+void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+                       double scale);
+
 torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention reading K/V in place (CPU)");
+        "Paged decode attention reading K/V in place (CPU); bf16_dot=False keeps bf16 on the "
+        "vector path (tests and benchmarks compare the two)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("bf16_dot") = true);
   m.def("paged_decode_attention_backend", &paged_decode_attention_backend,
         "Path of paged_decode_attention in bf16 for (block_size, group, head_size, v_head_size): "
         "amx or vector");
@@ -37,6 +44,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether mla_decode_attention runs for (block_size, head_size, v_head_size) here");
   m.def("mla_decode_attention", &mla_decode_attention,
         "MLA decode attention over the paged latent cache, bf16 (CPU, AMX)");
+  m.def("prefill_attention_supported", &prefill_attention_supported,
+        "Whether prefill_attention runs for (head_size, v_head_size) here");
+  m.def("prefill_attention", &prefill_attention,
+        "Causal attention of one prompt chunk into out, bf16 (CPU, AMX)");
   m.def("moe_combine", &moe_combine,
         "sum_j weights[t, j] * y[t * k + j] in fp32, rounded once (CPU)");
   m.def("fused_experts_backend", &fused_experts_backend,

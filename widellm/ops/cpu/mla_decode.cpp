@@ -31,17 +31,6 @@ using bf16 = at::BFloat16;
 constexpr int64_t kBlockSize = 16;  // cache rows per block: one score tile's rows
 
 #if WIDELLM_HAS_AMX
-// dst[p][n][0..1] = (src0[n], src1[n]) for n < D: two value rows interleaved into one row of
-// AMX's B layout over tokens (D a multiple of 32).
-inline void interleave_rows(const bf16* src0, const bf16* src1, int64_t D, bf16* dst) {
-  for (int64_t n = 0; n < D; n += 32) {
-    __m512i lo, hi;
-    interleave_pairs(_mm512_loadu_si512(src0 + n), _mm512_loadu_si512(src1 + n), lo, hi);
-    _mm512_storeu_si512(dst + 2 * n, lo);
-    _mm512_storeu_si512(dst + 2 * n + 32, hi);
-  }
-}
-
 // Per-thread buffers of mla_decode_seq, reused from one sequence to the next.
 struct SeqScratch {
   std::vector<bf16> q_packed;   // [Dk / 2][16][2], one head chunk

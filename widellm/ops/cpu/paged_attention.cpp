@@ -224,7 +224,7 @@ std::string paged_decode_attention_backend(int64_t block_size, int64_t group, in
 // Returns [B, Hkv, G, Dv] in q's dtype.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_table,
-                                     torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor seq_lens, double scale, bool bf16_dot) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4, "expected 4-D q and caches");
   TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
@@ -251,7 +251,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                         "paged_decode_attention: block id out of range");
   }
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), v_cache.size(3)}, q.options());
-  if (q.scalar_type() == torch::kBFloat16 &&
+  if (bf16_dot && q.scalar_type() == torch::kBFloat16 &&
       paged_decode_bf16_supported(block_size, q.size(2), q.size(3), v_cache.size(3))) {
     paged_decode_attention_bf16(out, q, k_cache, v_cache, block_table, seq_lens, scale);
     return out;

@@ -1,0 +1,120 @@
+"""Microbenchmark of the CPU attention kernels of Llama-family layers against the paths they
+replace, bf16, both cores, SmolLM2-135M's shapes (9 query heads, 3 KV heads, head size 64).
+
+Decode: ``paged_decode_attention`` on its AVX512-BF16 path against its fp32 vector path
+(``bf16_dot=False``) and the gather + SDPA form, with 30 layers' worth of caches visited in
+turn (as a decode step does, so the cache does not stay in L3). Prefill: the AMX causal
+``prefill_attention`` against torch SDPA (the layers' reference path), for SmolLM2 prompts and
+for MLA's expanded prefill shape (deepseek-v3-small: 16 heads, 192 / 128)::
+
+    .venv/bin/python benchmarks/attention_kernels_bench.py [--output-json FILE]
+
+Each case: warm-up, then the best of ``--repeats`` means over ``--iters`` calls, paths
+interleaved so the machine's drift hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from bench_common import write_result_json
+from cpu_kernels_bench import best_ms
+from widellm.ops.cpu_attention import paged_decode_attention_reference
+from widellm.ops.cpu_kernels import load_cpu_kernels
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+
+
+def decode_cases(args, kernels) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for seqs, length in ((16, 290), (64, 150), (64, 600)):
+        blocks = -(-length // BLOCK)
+        num_blocks = seqs * blocks + 1
+        caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+                  for _ in range(LAYERS)]
+        bt = torch.randperm(num_blocks, generator=g)[: seqs * blocks].view(seqs, blocks)
+        lens = torch.full((seqs,), length, dtype=torch.int64)
+        q = torch.randn(seqs, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+        turn = {"i": 0}
+
+        def next_cache():
+            turn["i"] += 1
+            return caches[turn["i"] % LAYERS]
+
+        def run(**kw):
+            c = next_cache()
+            return kernels.paged_decode_attention(q, c[0], c[1], bt, lens, 0.125, **kw)
+
+        fns = {
+            "avx512_bf16": run,
+            "vector": lambda: run(bf16_dot=False),
+            "gather+sdpa": lambda: (c := next_cache(),
+                                    paged_decode_attention_reference(q, c[0], c[1], bt, lens,
+                                                                     0.125)),
+        }
+        times = best_ms(fns, args.iters, args.repeats)
+        out.append({"kernel": "paged_decode_attention", "seqs": seqs, "len": length, "ms": times})
+        print(f"decode seqs={seqs:3d} len={length:4d} "
+              + "  ".join(f"{k} {v:8.3f} ms" for k, v in times.items()), flush=True)
+    return out
+
+
+def prefill_cases(args, kernels) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    # (prompts, tokens, heads, kv heads, key size, value size)
+    for n, L, H, Hkv, dk, dv in ((16, 256, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM),
+                                 (64, 128, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM),
+                                 (1, 2048, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM),
+                                 (16, 128, 16, 16, 192, 128)):
+        qs = [torch.randn(L, H, dk, generator=g).bfloat16() for _ in range(n)]
+        ks = [torch.randn(L, Hkv, dk, generator=g).bfloat16() for _ in range(n)]
+        vs = [torch.randn(L, Hkv, dv, generator=g).bfloat16() for _ in range(n)]
+        o = torch.empty(L, H, dv, dtype=torch.bfloat16)
+
+        def kernel():
+            for q, k, v in zip(qs, ks, vs):
+                kernels.prefill_attention(q, k, v, o, dk ** -0.5)
+
+        def sdpa():  # as the layers call it: causal, GQA in SDPA (MLA pads v to dk)
+            for q, k, v in zip(qs, ks, vs):
+                if dv != dk:
+                    v = F.pad(v, (0, dk - dv))
+                F.scaled_dot_product_attention(
+                    q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                    v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=dk ** -0.5,
+                    enable_gqa=True)
+
+        times = best_ms({"amx": kernel, "sdpa": sdpa}, args.iters, args.repeats)
+        out.append({"kernel": "prefill_attention", "prompts": n, "len": L, "heads": H,
+                    "kv_heads": Hkv, "dk": dk, "dv": dv, "ms": times})
+        print(f"prefill {n:3d} x {L:5d} H={H:2d}/{Hkv:2d} d={dk}/{dv} "
+              + "  ".join(f"{k} {v:8.2f} ms" for k, v in times.items()), flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        raise SystemExit("needs widellm's CPU kernels")
+    results = {}
+    if kernels.paged_decode_attention_backend(BLOCK, HEADS // KV_HEADS, HEAD_DIM, HEAD_DIM) \
+            == "avx512_bf16":
+        results["decode"] = decode_cases(args, kernels)
+    if kernels.prefill_attention_supported(HEAD_DIM, HEAD_DIM):
+        results["prefill"] = prefill_cases(args, kernels)
+    if args.output_json:
+        write_result_json(args.output_json, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The AMX causal prefill kernel against its torch twin (SDPA with the causal mask) and an
+fp64 ground truth, on the strided views the layers hand it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from widellm.ops.cpu_attention import prefill_attention_kernels, prefill_attention_reference
+
+pytestmark = pytest.mark.usefixtures("kernels")  # see conftest.py
+
+
+def _views(L, Lq, H, Hkv, dk, dv, seed):
+    """q, k, v as the Llama layer makes them: column slices of one fused projection row."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(L, H * dk + Hkv * dk + Hkv * dv, generator=gen).to(torch.bfloat16)
+    q = fused[L - Lq:, : H * dk].view(Lq, H, dk)
+    k = fused[:, H * dk: (H + Hkv) * dk].view(L, Hkv, dk)
+    v = fused[:, (H + Hkv) * dk:].view(L, Hkv, dv)
+    return q, k, v
+
+
+def _kernels(dk, dv):
+    kernels = prefill_attention_kernels(torch.empty(0, dtype=torch.bfloat16), dk, dv)
+    if kernels is None:
+        pytest.skip("this CPU has no AMX: the layers take the SDPA path")
+    return kernels
+
+
+# Whole prompts and chunks after a cached prefix (L > Lq); query counts on and off 16; group
+# sizes 1, 2, 3 and 6; head sizes 32 to 192 (MLA's expanded 192 / 128), value width != key width.
+@pytest.mark.parametrize("L,Lq,H,Hkv,dk,dv", [
+    (256, 256, 9, 3, 64, 64), (37, 37, 4, 2, 32, 32), (100, 20, 6, 1, 64, 96),
+    (50, 1, 2, 2, 128, 128), (70, 70, 4, 4, 192, 128), (333, 17, 2, 1, 64, 64),
+])
+def test_kernel_matches_fp64_and_sdpa(L, Lq, H, Hkv, dk, dv):
+    kernels = _kernels(dk, dv)
+    q, k, v = _views(L, Lq, H, Hkv, dk, dv, seed=L + dk)
+    out = torch.full((Lq, H, dv), float("nan"), dtype=torch.bfloat16)
+    kernels.prefill_attention(q, k, v, out, dk ** -0.5)
+    assert not out.isnan().any()  # every row of every head written
+    truth = prefill_attention_reference(q.double(), k.double(), v.double(), dk ** -0.5)
+    twin = prefill_attention_reference(q, k, v, dk ** -0.5)
+    # bf16 probabilities (2^-9 relative) over values of size ~1, then the bf16 output.
+    torch.testing.assert_close(out.double(), truth, atol=1.5e-2, rtol=1e-2)
+    torch.testing.assert_close(out.double(), twin.double(), atol=2e-2, rtol=2e-2)
+
+
+def test_first_query_of_a_prompt_sees_only_itself():
+    kernels = _kernels(64, 64)
+    q, k, v = _views(20, 20, 3, 3, 64, 64, seed=3)
+    out = torch.empty(20, 3, 64, dtype=torch.bfloat16)
+    kernels.prefill_attention(q, k, v, out, 0.125)
+    torch.testing.assert_close(out[0], v[0], atol=0, rtol=0)
+
+
+def test_writes_into_a_strided_output_slice():
+    kernels = _kernels(32, 32)
+    q, k, v = _views(40, 40, 2, 1, 32, 32, seed=4)
+    buf = torch.zeros(60, 2, 32, dtype=torch.bfloat16)
+    kernels.prefill_attention(q, k, v, buf[10:50], 0.2)
+    assert buf[:10].eq(0).all() and buf[50:].eq(0).all()
+    expected = prefill_attention_reference(q.double(), k.double(), v.double(), 0.2)
+    torch.testing.assert_close(buf[10:50].double(), expected, atol=1.5e-2, rtol=1e-2)
+
+
+def test_rejects_bad_shapes():
+    kernels = _kernels(32, 32)
+    q, k, v = _views(10, 10, 4, 2, 32, 32, seed=5)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        kernels.prefill_attention(q, k[:5], v[:5], torch.empty(10, 4, 32, dtype=torch.bfloat16), 1.0)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.prefill_attention(q.float(), k.float(), v.float(),
+                                  torch.empty(10, 4, 32), 1.0)
