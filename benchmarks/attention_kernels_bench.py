@@ -15,13 +15,11 @@ interleaved so the machine's drift hits all of them alike.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
 from bench_common import write_result_json
-from cpu_kernels_bench import best_ms
+from cpu_kernels_bench import best_ms, parse_bench_args, times_text
 from widellm.ops.cpu_attention import paged_decode_attention_reference
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
@@ -58,8 +56,7 @@ def decode_cases(args, kernels) -> list[dict]:
         }
         times = best_ms(fns, args.iters, args.repeats)
         out.append({"kernel": "paged_decode_attention", "seqs": seqs, "len": length, "ms": times})
-        print(f"decode seqs={seqs:3d} len={length:4d} "
-              + "  ".join(f"{k} {v:8.3f} ms" for k, v in times.items()), flush=True)
+        print(f"decode seqs={seqs:3d} len={length:4d} " + times_text(times, 3), flush=True)
     return out
 
 
@@ -92,17 +89,13 @@ def prefill_cases(args, kernels) -> list[dict]:
         times = best_ms({"amx": kernel, "sdpa": sdpa}, args.iters, args.repeats)
         out.append({"kernel": "prefill_attention", "prompts": n, "len": L, "heads": H,
                     "kv_heads": Hkv, "dk": dk, "dv": dv, "ms": times})
-        print(f"prefill {n:3d} x {L:5d} H={H:2d}/{Hkv:2d} d={dk}/{dv} "
-              + "  ".join(f"{k} {v:8.2f} ms" for k, v in times.items()), flush=True)
+        print(f"prefill {n:3d} x {L:5d} H={H:2d}/{Hkv:2d} d={dk}/{dv} " + times_text(times),
+              flush=True)
     return out
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--output-json", default=None)
-    args = p.parse_args()
+    args = parse_bench_args(__doc__)
     kernels = load_cpu_kernels()
     if kernels is None:
         raise SystemExit("needs widellm's CPU kernels")

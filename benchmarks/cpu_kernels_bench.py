@@ -46,6 +46,19 @@ def best_ms(fns: dict, iters: int, repeats: int) -> dict[str, float]:
     return best
 
 
+def parse_bench_args(doc: str) -> argparse.Namespace:
+    """--iters, --repeats and --output-json, shared by the kernel microbenchmarks."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output-json", default=None)
+    return p.parse_args()
+
+
+def times_text(times: dict[str, float], digits: int = 2) -> str:
+    return "  ".join(f"{k} {v:8.{digits}f} ms" for k, v in times.items())
+
+
 def experts_cases(args) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.03).bfloat16()
@@ -69,8 +82,7 @@ def experts_cases(args) -> list[dict]:
             iters = max(1, args.iters * 384 // rows)
             times = best_ms(fns, iters, args.repeats)
             out.append({"kernel": "fused_experts", "rows": rows, "skewed": skewed, "ms": times})
-            print(f"experts rows={rows:6d} skewed={skewed!s:5s} "
-                  + "  ".join(f"{k} {v:8.2f} ms" for k, v in times.items()), flush=True)
+            print(f"experts rows={rows:6d} skewed={skewed!s:5s} " + times_text(times), flush=True)
     return out
 
 
@@ -112,17 +124,12 @@ def mla_cases(args) -> list[dict]:
         times = best_ms(fns, args.iters, args.repeats)
         out.append({"kernel": "mla_decode_attention", "seqs": seqs, "mean_len": mean_len,
                     "ms": times})
-        print(f"mla seqs={seqs:3d} mean_len={mean_len:4d} "
-              + "  ".join(f"{k} {v:8.2f} ms" for k, v in times.items()), flush=True)
+        print(f"mla seqs={seqs:3d} mean_len={mean_len:4d} " + times_text(times), flush=True)
     return out
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--output-json", default=None)
-    args = p.parse_args()
+    args = parse_bench_args(__doc__)
     kernels = load_cpu_kernels()
     if kernels is None or kernels.fused_experts_backend(HIDDEN, INTER) != "amx":
         raise SystemExit("needs widellm's CPU kernels on a CPU with AMX")
