@@ -69,7 +69,8 @@ def test_rejects_bad_shapes():
     kernels = _kernels(32, 32)
     q, k, v = _views(10, 10, 4, 2, 32, 32, seed=5)
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        kernels.prefill_attention(q, k[:5], v[:5], torch.empty(10, 4, 32, dtype=torch.bfloat16), 1.0)
+        kernels.prefill_attention(q, k[:5], v[:5], torch.empty(10, 4, 32, dtype=torch.bfloat16),
+                                  1.0)
     with pytest.raises(RuntimeError, match="bf16"):
         kernels.prefill_attention(q.float(), k.float(), v.float(),
                                   torch.empty(10, 4, 32), 1.0)

@@ -1,4 +1,5 @@
-"""Paged attention for multi-head / grouped-query models on the CPU (torch SDPA).
+"""Paged attention for multi-head / grouped-query models on the CPU: widellm's kernels for bf16
+decode and prefill (:mod:`widellm.ops.cpu_attention`), torch SDPA otherwise (the reference).
 
 KV cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (keys, values),
 bound to the layer by the model runner as ``layer.kv_cache``. Every token's K/V is written

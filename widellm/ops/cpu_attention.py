@@ -6,8 +6,12 @@ The gather-then-attend path copies every sequence's whole context out of the cac
 and step, then reads it again; at batch 64 that is most of a small model's decode time. The
 kernel reads each cached row once; in bf16 (16-row blocks, head sizes multiples of 32) it
 multiplies the bf16 rows as they are stored (AVX512-BF16 dot products) and rounds the softmax
-probabilities to bf16, as torch's CPU flash attention does. Where the kernels cannot be built (see
-:mod:`widellm.ops.cpu_kernels`) callers use the reference path.
+probabilities to bf16, as torch's CPU flash attention does. Where the kernels cannot be built
+(see :mod:`widellm.ops.cpu_kernels`) callers use the reference path.
+
+Causal prefill attention of a prompt chunk in bf16 runs in an AMX kernel
+(``cpu/prefill_attention.cpp``, 1.4-1.7x torch SDPA at 128-256 tokens, parity at 2,048) where
+:func:`prefill_attention_kernels` finds it; :func:`prefill_attention_reference` is its twin.
 """
 
 from __future__ import annotations

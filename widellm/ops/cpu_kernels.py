@@ -1,6 +1,6 @@
-"""widellm's C++ CPU kernels (``cpu/``): paged decode attention, fused SiLU-and-mul, RMSNorm
-(alone and with the residual add), rotary embedding, MLA decode attention and the routed experts,
-each with a torch reference twin where it is used.
+"""widellm's C++ CPU kernels (``cpu/``): paged decode attention, causal prefill attention, fused
+SiLU-and-mul, RMSNorm (alone and with the residual add), rotary embedding, MLA decode attention
+and the routed experts, each with a torch reference twin where it is used.
 
 They are compiled on first use with torch's C++ extension builder (ninja + the system C++
 compiler, ~40 s once per machine, then cached by torch) for the CPU they run on. Where that is

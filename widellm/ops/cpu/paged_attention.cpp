@@ -215,7 +215,8 @@ void paged_decode_attention_bf16(torch::Tensor& out, const torch::Tensor& q,
 // Which path paged_decode_attention takes for bf16 (fp32 and fp16 always take "vector").
 std::string paged_decode_attention_backend(int64_t block_size, int64_t group, int64_t head_size,
                                            int64_t v_head_size) {
-  return paged_decode_bf16_supported(block_size, group, head_size, v_head_size) ? "avx512_bf16" : "vector";
+  const bool fast = paged_decode_bf16_supported(block_size, group, head_size, v_head_size);
+  return fast ? "avx512_bf16" : "vector";
 }
 
 // q [B, Hkv, G, Dk] contiguous; k_cache [num_blocks, block_size, Hkv, Dk] and v_cache

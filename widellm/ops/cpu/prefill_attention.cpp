@@ -89,8 +89,8 @@ struct BlockScratch {
   float inv_sum[kTile];       // 1 / the sum of each query row's exps
 };
 
-// out rows [0, n) (n <= 16) <- row_scale[r] * (probs [16][K32] (row stride ldp) x value pairs), columns
-// [c0, c0 + 16 * kTiles).
+// out rows [0, n) (n <= 16) <- row_scale[r] * (probs [16][K32] (row stride ldp) x value
+// pairs), columns [c0, c0 + 16 * kTiles).
 template <int kTiles>
 void value_pass(const bf16* probs, int64_t K32, int64_t ldp, const bf16* v_pairs, int64_t Dv,
                 int64_t c0, int64_t n, const float* row_scale, bf16* out, int64_t out_row) {
@@ -132,9 +132,10 @@ void value_pass(const bf16* probs, int64_t K32, int64_t ldp, const bf16* v_pairs
     }
 }
 
-// scores [16][keys rounded up to 16] (row stride lds) <- 16 query rows (A, row stride q_stride) x key tiles, for
-// the first `keys` keys. kD = Dk / 32 query tiles stay loaded (tiles 4..7) across the key
-// tiles; kD = 0 (Dk over 128) reloads them for each key tile. Needs a TileScope.
+// scores [16][keys rounded up to 16] (row stride lds) <- 16 query rows (A, row stride
+// q_stride) x key tiles, for the first `keys` keys. kD = Dk / 32 query tiles stay loaded
+// (tiles 4..7) across the key tiles; kD = 0 (Dk over 128) reloads them for each key tile.
+// Needs a TileScope.
 template <int kD>
 void score_tiles(const bf16* q, int64_t q_stride, const bf16* k_packed, int64_t keys,
                  int64_t Dk, float* scores, int64_t lds) {
