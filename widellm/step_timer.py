@@ -25,11 +25,13 @@ from collections.abc import Iterator
 
 import torch
 
+from widellm.device import on_cuda
+
 
 class StepTimer:
     def __init__(self, synchronize: bool = False) -> None:
         self.totals: defaultdict[str, float] = defaultdict(float)
-        self._sync = synchronize and torch.cuda.is_available()
+        self._sync = synchronize and on_cuda()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -8,11 +8,10 @@ import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 
-import torch
-
 from widellm.config import (
     ALL2ALL_BACKENDS, CacheConfig, EngineConfig, EPLBConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig, resolve_dtype,
 )
+from widellm.device import on_cuda
 from widellm.model.loader import load_hf_config, resolve_model_path
 
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -141,7 +140,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len,
                 async_scheduling=(
-                    torch.cuda.is_available() and not lockstep if self.async_scheduling is None
+                    on_cuda() and not lockstep if self.async_scheduling is None
                     else self.async_scheduling),
             ),
             parallel_config=ParallelConfig(

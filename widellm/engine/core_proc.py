@@ -37,6 +37,7 @@ import zmq
 from widellm.config import EngineConfig
 from widellm.core.outputs import EngineCoreOutput, EplbStats
 from widellm.core.scheduler import SchedulerStats
+from widellm.device import on_cuda
 from widellm.distributed.groups import DPGroups, destroy_dp_groups, init_dp_groups
 from widellm.distributed.lockstep import DPLockstep
 from widellm.engine.engine_core import EngineCore, EngineCoreRequest
@@ -108,7 +109,7 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int) -> 
     encoder = msgspec.msgpack.Encoder()
     groups = None
     try:
-        if torch.cuda.is_available():
+        if on_cuda():
             torch.cuda.set_device((dp_rank - pc.data_parallel_start_rank) % torch.cuda.device_count())
         elif pc.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             # Ranks on one machine share its cores; more threads than cores make every

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from widellm.device import on_cuda
+
 MEMINFO = "/proc/meminfo"
 
 
@@ -39,7 +41,7 @@ class KVCacheSpec:
 
 def available_memory_bytes() -> int:
     """Memory the KV cache may come from: free device memory on CUDA, MemAvailable on CPU."""
-    if torch.cuda.is_available():
+    if on_cuda():
         return torch.cuda.mem_get_info()[0]
     with open(MEMINFO) as f:
         for line in f:

@@ -14,6 +14,7 @@ import torch
 from widellm.config import EngineConfig
 from widellm.core.outputs import LogprobsLists, ModelRunnerOutput
 from widellm.core.scheduler_output import SchedulerOutput
+from widellm.device import on_cuda
 from widellm.forward_context import set_forward_context
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.attention_metadata import build_attention_metadata, dummy_attention_metadata
@@ -52,7 +53,7 @@ class ModelRunner:
         # attention (the reference path).
         attn = [m for m in self.model.modules() if hasattr(m, "prefers_in_place_decode")]
         self.decode_in_place = (
-            not torch.cuda.is_available()
+            not on_cuda()
             and all(m.prefers_in_place_decode(self.block_size) for m in attn)
             and load_cpu_kernels() is not None
         )
@@ -67,7 +68,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks)
-        if not torch.cuda.is_available():
+        if not on_cuda():
             # Only now: weights and KV cache keep their own (huge-page friendly) mappings;
             # what follows is per-step activations, which should recycle heap memory.
             keep_freed_memory()
