@@ -153,10 +153,7 @@ inline __m512 reduce16(const __m512* a) {
                                    _mm512_shuffle_f32x4(c[2], c[3], kOdd));
   return _mm512_add_ps(_mm512_shuffle_f32x4(f01, f23, kEven), _mm512_shuffle_f32x4(f01, f23, kOdd));
 }
-#endif
 
-
-#if defined(__AVX512F__)
 // Two rows of 32 bf16 as 32 (a[i], b[i]) pairs: i < 16 into lo, 16 <= i < 32 into hi. This is
 // how two tokens' value rows meet a pair of probabilities in a bf16 dot product (one AMX B
 // tile row, or one vdpbf16ps operand).
