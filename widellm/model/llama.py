@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from widellm.forward_context import current_forward_context
 from widellm.layers.activation import SiluAndMul
 from widellm.layers.attention import Attention
 from widellm.layers.norm import RMSNorm
@@ -99,18 +100,27 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding -> layers -> final norm. ``make_layer(i)`` builds layer i."""
+    """Embedding -> layers -> final norm. ``make_layer(i)`` builds layer i.
+
+    ``fused_decode`` (set by the loader where it applies, see
+    :mod:`widellm.model.fused_decode`) runs all layers of a decode-only batch in one kernel
+    call; the loop over the layers is its reference twin and runs everything else."""
 
     def __init__(self, cfg: Any, make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(make_layer(i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused_decode = None  # FusedDecode | None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        ctx = current_forward_context() if self.fused_decode is not None else None
+        if ctx is not None and self.fused_decode.applies(ctx.attn_metadata, x):
+            x, residual = self.fused_decode(ctx.attn_metadata, positions, x)
+        else:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 

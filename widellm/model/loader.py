@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.linear import pack_linear_weights
+from widellm.model.fused_decode import enable_fused_decode
 from widellm.model.registry import get_model_class
 from widellm.model.weight_utils import process_weights_after_loading, remote_expert_filter
 
@@ -109,6 +110,7 @@ def build_model(
     process_weights_after_loading(model)
     # Last: the hooks above may still read Linear weights; packing frees them.
     pack_linear_weights(model)
+    enable_fused_decode(model)  # needs the packed weights
     return model.eval()
 
 

@@ -26,6 +26,17 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
 
 torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights);
 
+std::vector<torch::Tensor> llama_decode_layers(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor positions,
+    torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
+    std::vector<torch::Tensor> input_norm, std::vector<torch::Tensor> post_norm,
+    std::vector<torch::Tensor> qkv_w, std::vector<c10::optional<torch::Tensor>> qkv_b,
+    std::vector<torch::Tensor> o_w, std::vector<c10::optional<torch::Tensor>> o_b,
+    std::vector<torch::Tensor> gate_up_w, std::vector<torch::Tensor> down_w,
+    std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
+    bool interleaved, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+    double eps);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention reading K/V in place (CPU); bf16_dot=False keeps bf16 on the "
@@ -54,4 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Path of fused_experts for (hidden_size, intermediate_size): amx, avx512_bf16 or none");
   m.def("fused_experts", &fused_experts,
         "Routed-expert MLPs of decode-sized batches, bf16 (CPU, AVX512-BF16)");
+  m.def("llama_decode_layers", &llama_decode_layers,
+        "Llama-family decoder layers over a decode-only batch in one call (CPU, packed "
+        "linears); returns (output, residual)");
 }

@@ -1,0 +1,138 @@
+// A stack of Llama-family decoder layers over a decode-only batch, in one call.
+//
+// A decode step of a small model spends a fifth of its time between its kernels: ~12 Python
+// calls per layer (module dispatch, views, splits, cache stores), ~240 us per layer on this
+// machine at 16 sequences. This file runs the same kernels in the same order from C++: the
+// oneDNN packed linears (mkldnn::_linear_pointwise, what PackedLinear.forward calls), the fused
+// norms, rotary, the paged decode attention kernel; so its results equal the Python layers'
+// bit for bit (tests/ops/test_cpu_decoder_layers.py). widellm/model/fused_decode.py decides
+// when it applies and gathers the weights.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cstring>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_table,
+                                     torch::Tensor seq_lens, double scale, bool bf16_dot);
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                              torch::Tensor weight, double eps);
+torch::Tensor rotary_embedding(torch::Tensor positions, torch::Tensor x, torch::Tensor cos,
+                               torch::Tensor sin, bool interleaved);
+
+namespace {
+
+using OptTensor = c10::optional<torch::Tensor>;
+
+// x [T, K] @ packed W^T (+ b) through oneDNN's packed-weight linear, as PackedLinear does.
+torch::Tensor packed_linear(const c10::OperatorHandle& op, const torch::Tensor& x,
+                            const torch::Tensor& w, const OptTensor& b) {
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(w);
+  stack.emplace_back(b);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<c10::optional<c10::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// cache [num_slots, Hkv, D] rows <- src [T, Hkv, D] (each token's Hkv x D values contiguous) at
+// slots [T]; the slots were checked by the caller.
+void store_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t T) {
+  const int64_t row = src.size(1) * src.size(2);
+  const int64_t bytes = row * src.element_size();
+  const char* sp = static_cast<const char*>(src.data_ptr());
+  char* cp = static_cast<char*>(cache.data_ptr());
+  const int64_t s_stride = src.stride(0) * src.element_size();
+  const int64_t c_stride = cache.stride(0) * cache.element_size();
+  for (int64_t t = 0; t < T; ++t) std::memcpy(cp + slots[t] * c_stride, sp + t * s_stride, bytes);
+}
+
+}  // namespace
+
+// hidden [T, H] bf16: the embeddings (residual None) or the previous layers' output with the
+// residual stream [T, H]; every token is one sequence's decode token (row t of block_table
+// [T, max_blocks] and seq_lens [T], its cache slot slot_mapping[t], its position positions[t]).
+// Per layer i: input/post norm weights [H]; packed qkv / o / gate_up / down weights with
+// optional qkv and o biases; kv_caches[i] [2, num_blocks, block_size, Hkv, D]. cos/sin
+// [max_pos, D] fp32 as RotaryEmbedding holds them. Returns (output, residual) of the last layer,
+// as DecoderLayer.forward does.
+std::vector<torch::Tensor> llama_decode_layers(
+    torch::Tensor hidden, OptTensor residual, torch::Tensor positions,
+    torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
+    std::vector<torch::Tensor> input_norm, std::vector<torch::Tensor> post_norm,
+    std::vector<torch::Tensor> qkv_w, std::vector<OptTensor> qkv_b,
+    std::vector<torch::Tensor> o_w, std::vector<OptTensor> o_b,
+    std::vector<torch::Tensor> gate_up_w, std::vector<torch::Tensor> down_w,
+    std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
+    bool interleaved, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+    double eps) {
+  const size_t L = input_norm.size();
+  TORCH_CHECK(post_norm.size() == L && qkv_w.size() == L && qkv_b.size() == L &&
+                  o_w.size() == L && o_b.size() == L && gate_up_w.size() == L &&
+                  down_w.size() == L && kv_caches.size() == L,
+              "llama_decode_layers: one entry per layer in every weight list");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, H]");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t T = hidden.size(0);
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+                  slot_mapping.size(0) == T && positions.size(0) == T,
+              "slot_mapping and positions must be [T] (int64)");
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t G = num_heads / num_kv_heads;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (size_t i = 0; i < L; ++i) {
+    const auto& c = kv_caches[i];
+    TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.size(3) == num_kv_heads &&
+                    c.size(4) == head_dim && c.is_contiguous(),
+                "kv_caches[", i, "] must be contiguous [2, num_blocks, block_size, Hkv, D]");
+  }
+  if (L > 0) {
+    const int64_t num_slots = kv_caches[0].size(1) * kv_caches[0].size(2);
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK_VALUE(slots[t] >= 0 && slots[t] < num_slots,
+                        "llama_decode_layers: slot_mapping[", t, "] out of range");
+  }
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+
+  torch::Tensor x = hidden;
+  torch::Tensor res = residual.has_value() ? *residual : torch::Tensor();
+  for (size_t i = 0; i < L; ++i) {
+    torch::Tensor h;
+    if (!res.defined()) {  // first layer: its input is the residual stream itself
+      res = x;
+      h = rms_norm(x, input_norm[i], eps);
+    } else {
+      auto r = fused_add_rms_norm(x, res, input_norm[i], eps);
+      h = r[0];
+      res = r[1];
+    }
+    const torch::Tensor qkv = packed_linear(op, h, qkv_w[i], qkv_b[i]);  // [T, q + 2 kv]
+    const auto q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    const auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    const auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    const auto q_rot = rotary_embedding(positions, q, cos, sin, interleaved);
+    const auto k_rot = rotary_embedding(positions, k, cos, sin, interleaved);
+    auto k_cache = kv_caches[i].select(0, 0);  // [num_blocks, block_size, Hkv, D]
+    auto v_cache = kv_caches[i].select(0, 1);
+    auto k_rows = k_cache.flatten(0, 1);
+    auto v_rows = v_cache.flatten(0, 1);
+    store_rows(k_rot, k_rows, slots, T);
+    store_rows(v, v_rows, slots, T);
+    const auto attn = paged_decode_attention(q_rot.view({T, num_kv_heads, G, head_dim}), k_cache,
+                                             v_cache, block_table, seq_lens, scale, true);
+    const auto o = packed_linear(op, attn.view({T, q_size}), o_w[i], o_b[i]);
+    auto r = fused_add_rms_norm(o, res, post_norm[i], eps);
+    res = r[1];
+    const auto gate_up = packed_linear(op, r[0], gate_up_w[i], c10::nullopt);
+    x = packed_linear(op, silu_and_mul(gate_up), down_w[i], c10::nullopt);
+  }
+  return {x, res};
+}
