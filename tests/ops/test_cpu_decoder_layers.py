@@ -1,15 +1,21 @@
-"""The fused decode path (``llama_decode_layers``, widellm/model/fused_decode.py) against its
-reference twin, the layers' own forwards: the same tokens and the same logprobs, bit for bit."""
+"""The fused decode stacks (``llama_decode_layers``, ``deepseek_decode_layers``;
+widellm/model/fused_decode.py) against their reference twin, the layers' own forwards: the
+same tokens and the same logprobs, bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from widellm import LLM, SamplingParams
-from widellm.model.fused_decode import FUSED_DECODE_ENV, FusedDecode, fused_decode_enabled
+from widellm.model.presets import PRESETS, write_checkpoint
+from widellm.model.fused_decode import (
+    FUSED_DECODE_ENV, DeepseekFusedDecode, FusedDecode, LlamaFusedDecode, enable_fused_decode,
+    fused_decode_enabled,
+)
 
 PROMPT_LENS = (5, 9, 17, 30, 33, 48, 64, 100)
 
@@ -28,27 +34,57 @@ def _run(llm: LLM, prompts: list[dict]) -> list[tuple[list[int], list[dict]]]:
             for o in outs]
 
 
+# The tiny DeepSeek presets with MLA widths the AMX MLA kernel takes (multiples of 32; theirs
+# are 32 + 16): without it decodes take the gather form, which the fused stack does not cover.
+MLA_KERNEL_SIZES = {"kv_lora_rank": 64, "qk_rope_head_dim": 32}
+DEEPSEEK_PRESETS = {"DeepseekV3ForCausalLM": "deepseek-v3-tiny",
+                    "DeepseekV2ForCausalLM": "deepseek-v2-tiny"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_dir, tmp_path_factory):
+    """arch -> a tiny checkpoint of it (DeepSeek ones with :data:`MLA_KERNEL_SIZES`)."""
+    def get(arch: str) -> str:
+        if arch not in DEEPSEEK_PRESETS:
+            return model_dir(arch)
+        spec = PRESETS[DEEPSEEK_PRESETS[arch]]
+        spec = dataclasses.replace(spec, config_kwargs={**spec.config_kwargs, **MLA_KERNEL_SIZES})
+        folder = tmp_path_factory.mktemp(arch)
+        write_checkpoint(spec, str(folder))
+        return str(folder)
+
+    return get
+
+
 def _decoder(llm: LLM):
     return llm.llm_engine.engine_core.model_runner.model.model
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])  # Qwen2: qkv bias
-def test_fused_decode_equals_the_layers(arch, model_dir, kernels, monkeypatch):
+@pytest.mark.parametrize("arch,stack", [
+    ("LlamaForCausalLM", LlamaFusedDecode),
+    ("Qwen2ForCausalLM", LlamaFusedDecode),  # q/k/v biases
+    ("DeepseekV3ForCausalLM", DeepseekFusedDecode),  # q_lora_rank, sigmoid + grouped routing
+    ("DeepseekV2ForCausalLM", DeepseekFusedDecode),  # q_proj, softmax routing
+])
+def test_fused_decode_equals_the_layers(arch, stack, checkpoint, kernels, monkeypatch):
     # No prefix caching: the second run must prefill exactly as the first did.
-    llm = LLM(model_dir(arch), dtype="bfloat16", num_kv_blocks=128, max_model_len=256,
+    llm = LLM(checkpoint(arch), dtype="bfloat16", num_kv_blocks=128, max_model_len=256,
               enable_prefix_caching=False)
     try:
         decoder = _decoder(llm)
         fused = decoder.fused_decode
-        assert isinstance(fused, FusedDecode)
+        if stack is DeepseekFusedDecode and not _decoder(llm).layers[0].self_attn.mla \
+                .prefers_in_place_decode(16):
+            pytest.skip("no AMX here: MLA decodes take the gather form")
+        assert type(fused) is stack
         calls = []
-        original = FusedDecode.__call__
+        original = stack.__call__
 
-        def counting(self, md, positions, x):
-            calls.append(md.num_tokens)
-            return original(self, md, positions, x)
+        def counting(self, ctx, positions, x):
+            calls.append(ctx.attn_metadata.num_tokens)
+            return original(self, ctx, positions, x)
 
-        monkeypatch.setattr(FusedDecode, "__call__", counting)
+        monkeypatch.setattr(stack, "__call__", counting)
         prompts = _prompts(llm.llm_engine.config.model_config.hf_config.vocab_size)
         with_fused = _run(llm, prompts)
         # 8 prompts x 19 decode tokens each, in steps of up to 8 sequences.
@@ -72,7 +108,8 @@ def test_fused_decode_rejects_a_slot_outside_the_cache(model_dir, kernels):
                              decode_block_table=torch.zeros(1, 1, dtype=torch.int64),
                              decode_seq_lens=torch.ones(1, dtype=torch.int64))
         with pytest.raises(ValueError, match="slot_mapping"):
-            decoder.fused_decode(md, torch.zeros(1, dtype=torch.int64),
+            decoder.fused_decode(SimpleNamespace(attn_metadata=md),
+                                 torch.zeros(1, dtype=torch.int64),
                                  torch.zeros(1, hidden, dtype=torch.bfloat16))
     finally:
         llm.shutdown()
@@ -90,10 +127,16 @@ def test_fused_decode_only_where_it_applies(arch, dtype, model_dir, kernels):
         llm.shutdown()
 
 
-def test_fused_decode_switch(monkeypatch):
+def test_fused_decode_switch(model_dir, monkeypatch):
     monkeypatch.setenv(FUSED_DECODE_ENV, "0")
     assert not fused_decode_enabled()
-    assert FusedDecode.build(torch.nn.ModuleList([torch.nn.Identity()])) is None
+    llm = LLM(model_dir("LlamaForCausalLM"), dtype="bfloat16", num_kv_blocks=32,
+              max_model_len=64)
+    try:
+        model = llm.llm_engine.engine_core.model_runner.model
+        assert model.model.fused_decode is None and not enable_fused_decode(model)
+    finally:
+        llm.shutdown()
     monkeypatch.setenv(FUSED_DECODE_ENV, "maybe")
     with pytest.raises(ValueError, match=FUSED_DECODE_ENV):
         fused_decode_enabled()

@@ -1,26 +1,38 @@
-"""Decode steps of Llama-family models in one kernel call.
+"""Decode steps in one kernel call: every decoder layer of a decode-only batch in C++.
 
 At decode a small model's step is short (~36 ms for SmolLM2-135M at 16 sequences), and about a
-fifth of it went to Python between the kernels: module dispatch, views, splits and two cache
-stores per layer, ~240 us per layer. :class:`FusedDecode` hands a decode-only batch to the CPU
-kernels' ``llama_decode_layers`` (``widellm/ops/cpu/decoder_layers.cpp``), which runs every
-layer's kernels (packed linears, fused norms, rotary, paged decode attention) in the order the
-Python layers run them, so the results are the same bit for bit. Prompts, mixed batches and
-models it does not cover take the layers' own ``forward``: the reference twin
-(``WIDELLM_CPU_FUSED_DECODE=0`` forces it).
+quarter of it went to Python between the kernels: module dispatch, views, splits and cache
+stores, ~300 us per layer. A :class:`FusedDecode` hands a decode-only batch to one of the CPU
+kernels' layer stacks, which run the layers' kernels and torch ops in the order the Python
+modules run them, so the results are the same bit for bit:
+
+* :class:`LlamaFusedDecode` -> ``llama_decode_layers`` (``ops/cpu/decoder_layers.cpp``):
+  Llama / Qwen2 layers (grouped-query attention, SwiGLU MLP);
+* :class:`DeepseekFusedDecode` -> ``deepseek_decode_layers``
+  (``ops/cpu/deepseek_decode_layers.cpp``): DeepSeek-V2/V3 layers (MLA through the AMX MLA
+  kernel; dense MLP or MoE with local experts through ``fused_experts``).
+
+Prompts, mixed and padded batches, and models or set-ups a stack does not cover (other layer
+types, fp32, expert parallelism, EPLB, the step-time breakdown) take the layers' own forwards:
+the reference twin (``WIDELLM_CPU_FUSED_DECODE=0`` forces it).
 """
 
 from __future__ import annotations
 
+import abc
 import os
 
 import torch
 from torch import nn
 
+from widellm.forward_context import ForwardContext
 from widellm.layers.activation import SiluAndMul
 from widellm.layers.attention import Attention
-from widellm.layers.attention_metadata import AttentionMetadata
 from widellm.layers.linear import PackedLinear
+from widellm.layers.moe.dispatch import LocalDispatcher
+from widellm.layers.moe.experts import DOT_KERNEL_MAX_ROWS_PER_EXPERT
+from widellm.layers.moe.router import RENORM_EPS
+from widellm.model.deepseek import DeepseekMLAAttention, DeepseekMoE
 from widellm.model.llama import DecoderLayer, DecoderModel, LlamaAttention, LlamaMLP
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
@@ -37,30 +49,47 @@ def fused_decode_enabled() -> bool:
     raise ValueError(f"{FUSED_DECODE_ENV}={value!r}: expected one of {_TRUE + _FALSE}")
 
 
-def _is_plain_llama_layer(layer: nn.Module) -> bool:
-    """A DecoderLayer of grouped-query attention (no q/k norm) and a SwiGLU MLP, every linear
-    packed for oneDNN in bf16, the norms in bf16."""
-    if type(layer) is not DecoderLayer:
-        return False
-    attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
-    if type(attn) is not LlamaAttention or attn.q_norm is not None or type(attn.attn) is not Attention:
-        return False
-    if type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul:
-        return False
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    return (all(type(m) is PackedLinear for m in linears)
-            and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
-            and all(n.weight.dtype == torch.bfloat16 for n in norms)
-            and norms[0].variance_epsilon == norms[1].variance_epsilon
-            and attn.rotary_emb.rotary_dim == attn.head_dim)
+def _packed(*linears: nn.Module | None) -> bool:
+    return all(m is None or type(m) is PackedLinear for m in linears)
 
 
-class FusedDecode:
-    """The layers of one model, gathered for ``llama_decode_layers``. Built by :meth:`build`
-    after the weights are loaded and packed; the KV caches are read from the attention layers
-    at each call (the model runner binds them later)."""
+def _bf16_norms(*norms: nn.Module) -> bool:
+    """RMSNorms in bf16 sharing one epsilon."""
+    return (all(n.weight.dtype == torch.bfloat16 for n in norms)
+            and len({n.variance_epsilon for n in norms}) == 1)
 
+
+def _swiglu(mlp: nn.Module) -> bool:
+    return (type(mlp) is LlamaMLP and type(mlp.act_fn) is SiluAndMul
+            and _packed(mlp.gate_up_proj, mlp.down_proj)
+            and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None)
+
+
+class FusedDecode(abc.ABC):
+    """Lifecycle: :meth:`build` once after the weights are loaded and packed (None when the
+    layers are not covered); per forward, :meth:`applies` to the batch, then the call. The KV
+    caches are read from the attention layers at each call (the model runner binds them after
+    loading)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, layers: nn.ModuleList, kernels) -> FusedDecode | None:
+        """The stack for these layers, or None when it does not cover them."""
+
+    @abc.abstractmethod
+    def __call__(self, ctx: ForwardContext, positions: torch.Tensor,
+                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T], x [T, H] (the embeddings) -> (last layer's output, residual
+        stream), as the layers' forwards return them."""
+
+    def applies(self, ctx: ForwardContext, x: torch.Tensor) -> bool:
+        """A bf16 batch of decodes only, read in place (block-table form), without padding."""
+        md = ctx.attn_metadata
+        return (md.num_decodes == md.num_tokens and md.decode_block_table is not None
+                and md.padding_mask is None and x.dtype == torch.bfloat16)
+
+
+class LlamaFusedDecode(FusedDecode):
     def __init__(self, layers: list[DecoderLayer], kernels) -> None:
         self._kernels = kernels
         attn0 = layers[0].self_attn
@@ -80,36 +109,33 @@ class FusedDecode:
             [mlp.down_proj.packed_weight for mlp in mlps],
         )
 
+    @staticmethod
+    def _covers(layer: nn.Module) -> bool:
+        if type(layer) is not DecoderLayer:
+            return False
+        attn = layer.self_attn
+        return (type(attn) is LlamaAttention and attn.q_norm is None
+                and type(attn.attn) is Attention and _packed(attn.qkv_proj, attn.o_proj)
+                and _swiglu(getattr(layer, layer.mlp_name))
+                and _bf16_norms(layer.input_layernorm, layer.post_attention_layernorm)
+                and attn.rotary_emb.rotary_dim == attn.head_dim)
+
     @classmethod
-    def build(cls, layers: nn.ModuleList) -> FusedDecode | None:
-        """The fused path for these layers, or None when it does not cover them (another
-        layer type, unpacked or non-bf16 weights, per-layer shapes that differ, no kernels)."""
-        if not len(layers) or not fused_decode_enabled():
+    def build(cls, layers: nn.ModuleList, kernels) -> LlamaFusedDecode | None:
+        if not all(cls._covers(layer) for layer in layers):
             return None
-        kernels = load_cpu_kernels()
-        if kernels is None or not all(_is_plain_llama_layer(layer) for layer in layers):
-            return None
-        first = layers[0]
 
         def shape(layer: DecoderLayer) -> tuple:
             a = layer.self_attn
             return (a.num_heads, a.num_kv_heads, a.head_dim, a.attn.scale, a.rotary_emb,
                     layer.input_layernorm.variance_epsilon)
 
-        if any(shape(layer) != shape(first) for layer in layers):
+        if len({shape(layer) for layer in layers}) != 1:
             return None
         return cls(list(layers), kernels)
 
-    def applies(self, md: AttentionMetadata, x: torch.Tensor) -> bool:
-        """A bf16 batch of decodes only, read in place (block-table form), without padding."""
-        return (md.num_decodes == md.num_tokens and md.decode_block_table is not None
-                and md.padding_mask is None and x.dtype == torch.bfloat16)
-
-    def __call__(
-        self, md: AttentionMetadata, positions: torch.Tensor, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T], x [T, H] (the embeddings) -> (last layer's output, residual stream),
-        as the layers' forwards return them."""
+    def __call__(self, ctx, positions, x):
+        md = ctx.attn_metadata
         num_heads, num_kv_heads, head_dim, scale, eps = self._shape
         return tuple(self._kernels.llama_decode_layers(
             x, None, positions, md.slot_mapping, md.decode_block_table, md.decode_seq_lens,
@@ -119,11 +145,136 @@ class FusedDecode:
         ))
 
 
+def _linear_slots(name: str, linear: nn.Module | None) -> dict[str, torch.Tensor | None]:
+    if linear is None:
+        return {name: None, name + "_bias": None}
+    return {name: linear.packed_weight, name + "_bias": linear.bias}
+
+
+class DeepseekFusedDecode(FusedDecode):
+    # One layer's weights in the order of deepseek_decode_layers.cpp's Slot enum.
+    SLOTS = ("input_norm", "post_norm", "q_proj", "q_proj_bias", "q_a", "q_a_bias", "q_a_norm",
+             "q_b", "q_b_bias", "kv_a", "kv_a_bias", "kv_a_norm", "w_uk", "w_uv_t", "o",
+             "o_bias", "gate_up", "down", "router", "router_bias", "w13", "w2")
+
+    def __init__(self, layers: list[DecoderLayer], kernels) -> None:
+        self._kernels = kernels
+        attn0 = layers[0].self_attn
+        self._mla = [layer.self_attn.mla for layer in layers]
+        self._rotary = attn0.rotary_emb
+        self._layers = [self._slots(layer) for layer in layers]
+        mla = attn0.mla
+        self._shape = (mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
+                       mla.kv_lora_rank, mla.scale, layers[0].input_layernorm.variance_epsilon)
+        moes = [m.experts for m in (getattr(x, x.mlp_name) for x in layers)
+                if type(m) is DeepseekMoE]
+        self._routing = self._max_rows = None
+        if moes:
+            r, e = moes[0].routing, moes[0]
+            self._routing = (e.top_k, r.scoring_func == "sigmoid", r.renormalize,
+                             r.num_expert_group or 0, r.topk_group or 0,
+                             r.group_score == "top2_sum", r.routed_scaling_factor, RENORM_EPS)
+            # fused_experts' dot-product path runs decode-sized batches only (experts.py).
+            backend = kernels.fused_experts_backend(e.hidden_size, e.intermediate_size)
+            self._max_rows = (None if backend == "amx"
+                              else DOT_KERNEL_MAX_ROWS_PER_EXPERT * e.num_local_experts)
+
+    @staticmethod
+    def _slots(layer: DecoderLayer) -> list[torch.Tensor | None]:
+        attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
+        q_lora = attn.q_lora_rank is not None
+        slots = {
+            "input_norm": layer.input_layernorm.weight,
+            "post_norm": layer.post_attention_layernorm.weight,
+            **_linear_slots("q_proj", None if q_lora else attn.q_proj),
+            **_linear_slots("q_a", attn.q_a_proj if q_lora else None),
+            "q_a_norm": attn.q_a_layernorm.weight if q_lora else None,
+            **_linear_slots("q_b", attn.q_b_proj if q_lora else None),
+            **_linear_slots("kv_a", attn.kv_a_proj_with_mqa),
+            "kv_a_norm": attn.kv_a_layernorm.weight,
+            "w_uk": attn.mla.w_uk, "w_uv_t": attn.mla.w_uv_t,
+            **_linear_slots("o", attn.o_proj),
+        }
+        dense = mlp if type(mlp) is LlamaMLP else mlp.shared_experts
+        slots["gate_up"] = dense.gate_up_proj.packed_weight if dense is not None else None
+        slots["down"] = dense.down_proj.packed_weight if dense is not None else None
+        moe = type(mlp) is DeepseekMoE
+        slots["router"] = mlp.gate.weight if moe else None
+        slots["router_bias"] = mlp.gate.e_score_correction_bias if moe else None
+        slots["w13"] = mlp.experts.w13_weight if moe else None
+        slots["w2"] = mlp.experts.w2_weight if moe else None
+        return [slots[name] for name in DeepseekFusedDecode.SLOTS]
+
+    @staticmethod
+    def _covers(layer: nn.Module) -> bool:
+        if type(layer) is not DecoderLayer or type(layer.self_attn) is not DeepseekMLAAttention:
+            return False
+        attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
+        q_lora = attn.q_lora_rank is not None
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
+        norms += [attn.q_a_layernorm] if q_lora else []
+        attention_ok = (
+            _packed(*((attn.q_a_proj, attn.q_b_proj) if q_lora else (attn.q_proj,)),
+                    attn.kv_a_proj_with_mqa, attn.o_proj)
+            and _bf16_norms(*norms) and attn.mla.w_uk is not None
+            and attn.mla.w_uk.dtype == torch.bfloat16
+            and attn.rotary_emb.rotary_dim == attn.qk_rope_head_dim)
+        if type(mlp) is LlamaMLP:
+            return attention_ok and _swiglu(mlp)
+        if type(mlp) is not DeepseekMoE:
+            return False
+        experts = mlp.experts
+        # No EPLB placement (which also records the expert load) and every expert local.
+        local = (type(experts.dispatcher) is LocalDispatcher and experts.placement is None
+                 and torch.equal(experts.dispatcher.expert_map,
+                                 torch.arange(experts.num_experts)))
+        return (attention_ok and local and experts.w13_weight.dtype == torch.bfloat16
+                and (mlp.shared_experts is None or _swiglu(mlp.shared_experts)))
+
+    @classmethod
+    def build(cls, layers: nn.ModuleList, kernels) -> DeepseekFusedDecode | None:
+        if not all(cls._covers(layer) for layer in layers):
+            return None
+        if len({layer.input_layernorm.variance_epsilon for layer in layers}) != 1:
+            return None
+        moe_layers = [x for x in layers if type(getattr(x, x.mlp_name)) is DeepseekMoE]
+        if moe_layers:
+            e0 = getattr(moe_layers[0], moe_layers[0].mlp_name).experts
+            if kernels.fused_experts_backend(e0.hidden_size, e0.intermediate_size) == "none":
+                return None
+        return cls(list(layers), kernels)
+
+    def applies(self, ctx, x):
+        # The MoE layers time their phases when the step breakdown is collected.
+        rows = x.shape[0] * (self._routing[0] if self._routing else 0)
+        return (super().applies(ctx, x) and ctx.step_timer is None
+                and (self._max_rows is None or rows <= self._max_rows))
+
+    def __call__(self, ctx, positions, x):
+        md = ctx.attn_metadata
+        routing = self._routing or (0, False, False, 0, 0, False, 1.0, RENORM_EPS)
+        return tuple(self._kernels.deepseek_decode_layers(
+            x, positions, md.slot_mapping, md.decode_block_table, md.decode_seq_lens,
+            self._layers, [m.kv_cache for m in self._mla], self._rotary.cos_cache,
+            self._rotary.sin_cache, self._rotary.style == "interleaved", *self._shape,
+            *routing,
+        ))
+
+
+FUSED_DECODE_STACKS: tuple[type[FusedDecode], ...] = (LlamaFusedDecode, DeepseekFusedDecode)
+
+
 def enable_fused_decode(model: nn.Module) -> bool:
-    """Give ``model``'s decoder (``model.model``, a :class:`DecoderModel`) the fused decode
-    path where :meth:`FusedDecode.build` accepts its layers; True if it did."""
+    """Give ``model``'s decoder (``model.model``, a :class:`DecoderModel`) the first stack of
+    :data:`FUSED_DECODE_STACKS` that covers its layers; True if one did."""
     decoder = getattr(model, "model", None)
-    if not isinstance(decoder, DecoderModel):
+    if not isinstance(decoder, DecoderModel) or not len(decoder.layers):
         return False
-    decoder.fused_decode = FusedDecode.build(decoder.layers)
-    return decoder.fused_decode is not None
+    kernels = load_cpu_kernels() if fused_decode_enabled() else None
+    if kernels is None:
+        return False
+    for stack in FUSED_DECODE_STACKS:
+        decoder.fused_decode = stack.build(decoder.layers, kernels)
+        if decoder.fused_decode is not None:
+            return True
+    return False

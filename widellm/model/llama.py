@@ -116,8 +116,8 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         ctx = current_forward_context() if self.fused_decode is not None else None
-        if ctx is not None and self.fused_decode.applies(ctx.attn_metadata, x):
-            x, residual = self.fused_decode(ctx.attn_metadata, positions, x)
+        if ctx is not None and self.fused_decode.applies(ctx, x):
+            x, residual = self.fused_decode(ctx, positions, x)
         else:
             for layer in self.layers:
                 x, residual = layer(positions, x, residual)

@@ -26,6 +26,7 @@ SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = (
     "bindings.cpp", "paged_attention.cpp", "paged_attention_bf16.cpp", "elementwise.cpp",
     "mla_decode.cpp", "prefill_attention.cpp", "moe.cpp", "decoder_layers.cpp",
+    "deepseek_decode_layers.cpp",
 )
 ENV_DISABLE = "WIDELLM_CPU_KERNELS"
 # -march=native: AVX-512 intrinsics where this CPU has them, plain loops otherwise.

@@ -48,7 +48,7 @@ GROUP_SCORES: tuple[str, ...] = ("max", "top2_sum")
 # Added to the renormalisation denominator as DeepSeek-V3 does; far below one ulp of any
 # achievable sum (the top-1 softmax score alone is >= 1/E), so it only guards against a
 # row whose sigmoid scores all underflow to zero.
-_RENORM_EPS = 1e-20
+RENORM_EPS = 1e-20
 # DeepSeek-V3 scores a group by the sum of its two best experts.
 _TOP2 = 2
 
@@ -158,7 +158,7 @@ def select_experts(
     topk_ids = torch.topk(choice_scores, k=top_k, dim=-1, sorted=False).indices
     topk_weights = scores.gather(1, topk_ids)
     if renormalize:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + _RENORM_EPS)
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
     if routed_scaling_factor != 1.0:
         topk_weights = topk_weights * routed_scaling_factor
     return topk_weights, topk_ids

@@ -36,6 +36,15 @@ std::vector<torch::Tensor> llama_decode_layers(
     std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
     bool interleaved, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
     double eps);
+std::vector<torch::Tensor> deepseek_decode_layers(
+    torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
+    torch::Tensor block_table, torch::Tensor seq_lens,
+    std::vector<std::vector<c10::optional<torch::Tensor>>> layers,
+    std::vector<torch::Tensor> caches, torch::Tensor cos, torch::Tensor sin, bool interleaved,
+    int64_t num_heads, int64_t qk_nope_head_dim, int64_t qk_rope_head_dim, int64_t v_head_dim,
+    int64_t kv_lora_rank, double scale, double eps, int64_t top_k, bool sigmoid,
+    bool renormalize, int64_t num_expert_group, int64_t topk_group, bool group_top2,
+    double routed_scaling_factor, double renorm_eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -68,4 +77,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("llama_decode_layers", &llama_decode_layers,
         "Llama-family decoder layers over a decode-only batch in one call (CPU, packed "
         "linears); returns (output, residual)");
+  m.def("deepseek_decode_layers", &deepseek_decode_layers,
+        "DeepSeek-V2/V3 decoder layers (MLA, dense or local-expert MoE) over a decode-only "
+        "batch in one call (CPU, bf16); returns (output, residual)");
 }

@@ -7,12 +7,7 @@
 // norms, rotary, the paged decode attention kernel; so its results equal the Python layers'
 // bit for bit (tests/ops/test_cpu_decoder_layers.py). widellm/model/fused_decode.py decides
 // when it applies and gathers the weights.
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-
-#include <cstring>
+#include "decode_layers.h"
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_table,
@@ -24,38 +19,9 @@ std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor res
 torch::Tensor rotary_embedding(torch::Tensor positions, torch::Tensor x, torch::Tensor cos,
                                torch::Tensor sin, bool interleaved);
 
-namespace {
-
-using OptTensor = c10::optional<torch::Tensor>;
-
-// x [T, K] @ packed W^T (+ b) through oneDNN's packed-weight linear, as PackedLinear does.
-torch::Tensor packed_linear(const c10::OperatorHandle& op, const torch::Tensor& x,
-                            const torch::Tensor& w, const OptTensor& b) {
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x);
-  stack.emplace_back(w);
-  stack.emplace_back(b);
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<c10::optional<c10::Scalar>>());
-  stack.emplace_back(std::string(""));
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
-// cache [num_slots, Hkv, D] rows <- src [T, Hkv, D] (each token's Hkv x D values contiguous) at
-// slots [T]; the slots were checked by the caller.
-void store_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t T) {
-  const int64_t row = src.size(1) * src.size(2);
-  const int64_t bytes = row * src.element_size();
-  const char* sp = static_cast<const char*>(src.data_ptr());
-  char* cp = static_cast<char*>(cache.data_ptr());
-  const int64_t s_stride = src.stride(0) * src.element_size();
-  const int64_t c_stride = cache.stride(0) * cache.element_size();
-  for (int64_t t = 0; t < T; ++t) std::memcpy(cp + slots[t] * c_stride, sp + t * s_stride, bytes);
-}
-
-}  // namespace
+using decode_layers::OptTensor;
+using decode_layers::packed_linear;
+using decode_layers::store_rows;
 
 // hidden [T, H] bf16: the embeddings (residual None) or the previous layers' output with the
 // residual stream [T, H]; every token is one sequence's decode token (row t of block_table
@@ -82,25 +48,20 @@ std::vector<torch::Tensor> llama_decode_layers(
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, H]");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   const int64_t T = hidden.size(0);
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
-                  slot_mapping.size(0) == T && positions.size(0) == T,
-              "slot_mapping and positions must be [T] (int64)");
+  TORCH_CHECK(positions.size(0) == T, "llama_decode_layers: positions must be [T]");
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const int64_t G = num_heads / num_kv_heads;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (size_t i = 0; i < L; ++i) {
     const auto& c = kv_caches[i];
     TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.size(3) == num_kv_heads &&
-                    c.size(4) == head_dim && c.is_contiguous(),
+                    c.size(4) == head_dim && c.is_contiguous() &&
+                    c.size(1) == kv_caches[0].size(1) && c.size(2) == kv_caches[0].size(2),
                 "kv_caches[", i, "] must be contiguous [2, num_blocks, block_size, Hkv, D]");
   }
-  if (L > 0) {
-    const int64_t num_slots = kv_caches[0].size(1) * kv_caches[0].size(2);
-    for (int64_t t = 0; t < T; ++t)
-      TORCH_CHECK_VALUE(slots[t] >= 0 && slots[t] < num_slots,
-                        "llama_decode_layers: slot_mapping[", t, "] out of range");
-  }
-  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  if (L > 0)
+    decode_layers::check_slots(slot_mapping, T, kv_caches[0].size(1) * kv_caches[0].size(2),
+                               "llama_decode_layers");
+  const auto op = decode_layers::packed_linear_op();
 
   torch::Tensor x = hidden;
   torch::Tensor res = residual.has_value() ? *residual : torch::Tensor();
@@ -124,8 +85,8 @@ std::vector<torch::Tensor> llama_decode_layers(
     auto v_cache = kv_caches[i].select(0, 1);
     auto k_rows = k_cache.flatten(0, 1);
     auto v_rows = v_cache.flatten(0, 1);
-    store_rows(k_rot, k_rows, slots, T);
-    store_rows(v, v_rows, slots, T);
+    store_rows(k_rot, k_rows, slot_mapping.data_ptr<int64_t>());
+    store_rows(v, v_rows, slot_mapping.data_ptr<int64_t>());
     const auto attn = paged_decode_attention(q_rot.view({T, num_kv_heads, G, head_dim}), k_cache,
                                              v_cache, block_table, seq_lens, scale, true);
     const auto o = packed_linear(op, attn.view({T, q_size}), o_w[i], o_b[i]);
