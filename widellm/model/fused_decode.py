@@ -138,7 +138,7 @@ class LlamaFusedDecode(FusedDecode):
         md = ctx.attn_metadata
         num_heads, num_kv_heads, head_dim, scale, eps = self._shape
         return tuple(self._kernels.llama_decode_layers(
-            x, None, positions, md.slot_mapping, md.decode_block_table, md.decode_seq_lens,
+            x, positions, md.slot_mapping, md.decode_block_table, md.decode_seq_lens,
             *self._weights, [a.kv_cache for a in self._attn], self._rotary.cos_cache,
             self._rotary.sin_cache, self._rotary.style == "interleaved", num_heads,
             num_kv_heads, head_dim, scale, eps,

@@ -27,7 +27,7 @@ void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
 torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights);
 
 std::vector<torch::Tensor> llama_decode_layers(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor positions,
+    torch::Tensor hidden, torch::Tensor positions,
     torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
     std::vector<torch::Tensor> input_norm, std::vector<torch::Tensor> post_norm,
     std::vector<torch::Tensor> qkv_w, std::vector<c10::optional<torch::Tensor>> qkv_b,

@@ -1,7 +1,7 @@
 // A stack of Llama-family decoder layers over a decode-only batch, in one call.
 //
-// A decode step of a small model spends a fifth of its time between its kernels: ~12 Python
-// calls per layer (module dispatch, views, splits, cache stores), ~240 us per layer on this
+// A decode step of a small model spent a quarter of its time between its kernels: ~12 Python
+// calls per layer (module dispatch, views, splits, cache stores), ~300 us per layer on this
 // machine at 16 sequences. This file runs the same kernels in the same order from C++: the
 // oneDNN packed linears (mkldnn::_linear_pointwise, what PackedLinear.forward calls), the fused
 // norms, rotary, the paged decode attention kernel; so its results equal the Python layers'
@@ -23,15 +23,14 @@ using decode_layers::OptTensor;
 using decode_layers::packed_linear;
 using decode_layers::store_rows;
 
-// hidden [T, H] bf16: the embeddings (residual None) or the previous layers' output with the
-// residual stream [T, H]; every token is one sequence's decode token (row t of block_table
-// [T, max_blocks] and seq_lens [T], its cache slot slot_mapping[t], its position positions[t]).
-// Per layer i: input/post norm weights [H]; packed qkv / o / gate_up / down weights with
-// optional qkv and o biases; kv_caches[i] [2, num_blocks, block_size, Hkv, D]. cos/sin
-// [max_pos, D] fp32 as RotaryEmbedding holds them. Returns (output, residual) of the last layer,
-// as DecoderLayer.forward does.
+// hidden [T, H] bf16: the embeddings of a decode-only batch; every token is one sequence's
+// decode token (row t of block_table [T, max_blocks] and seq_lens [T], its cache slot
+// slot_mapping[t], its position positions[t]). Per layer i: input/post norm weights [H];
+// packed qkv / o / gate_up / down weights with optional qkv and o biases; kv_caches[i]
+// [2, num_blocks, block_size, Hkv, D]. cos/sin [max_pos, D] fp32 as RotaryEmbedding holds
+// them. Returns (output, residual) of the last layer, as DecoderLayer.forward does.
 std::vector<torch::Tensor> llama_decode_layers(
-    torch::Tensor hidden, OptTensor residual, torch::Tensor positions,
+    torch::Tensor hidden, torch::Tensor positions,
     torch::Tensor slot_mapping, torch::Tensor block_table, torch::Tensor seq_lens,
     std::vector<torch::Tensor> input_norm, std::vector<torch::Tensor> post_norm,
     std::vector<torch::Tensor> qkv_w, std::vector<OptTensor> qkv_b,
@@ -63,8 +62,7 @@ std::vector<torch::Tensor> llama_decode_layers(
                                "llama_decode_layers");
   const auto op = decode_layers::packed_linear_op();
 
-  torch::Tensor x = hidden;
-  torch::Tensor res = residual.has_value() ? *residual : torch::Tensor();
+  torch::Tensor x = hidden, res;
   for (size_t i = 0; i < L; ++i) {
     torch::Tensor h;
     if (!res.defined()) {  // first layer: its input is the residual stream itself

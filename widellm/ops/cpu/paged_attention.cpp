@@ -26,14 +26,6 @@ namespace {
 
 using namespace widellm_cpu;
 
-// Ask for the next block while this one is computed: blocks of a sequence are scattered over
-// the pool, so the hardware prefetcher cannot guess where the next one starts.
-constexpr int64_t kCacheLine = 64;
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += kCacheLine) __builtin_prefetch(c + i);
-}
-
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];

@@ -47,7 +47,6 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 // are strided and the blocks of a sequence scattered over the pool, so the hardware
 // prefetchers do not find them: without this the kernel waits on memory row by row.
 inline void prefetch_rows(const bf16* first, int64_t stride, int64_t rows, int64_t bytes) {
-  constexpr int64_t kCacheLine = 64;
   for (int64_t r = 0; r < rows; ++r) {
     const char* p = reinterpret_cast<const char*>(first + r * stride);
     for (int64_t i = 0; i < bytes; i += kCacheLine) _mm_prefetch(p + i, _MM_HINT_T0);

@@ -18,6 +18,15 @@
 
 namespace widellm_cpu {
 
+constexpr int64_t kCacheLine = 64;
+
+// Ask for a cache block's bytes ahead of use: the blocks of a sequence are scattered over the
+// pool, so the hardware prefetcher cannot guess where the next one starts.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += kCacheLine) __builtin_prefetch(c + i);
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) {
   uint32_t bits = static_cast<uint32_t>(x.x) << 16;
