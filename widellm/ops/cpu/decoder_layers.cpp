@@ -8,16 +8,7 @@
 // bit for bit (tests/ops/test_cpu_decoder_layers.py). widellm/model/fused_decode.py decides
 // when it applies and gathers the weights.
 #include "decode_layers.h"
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
-                                     torch::Tensor v_cache, torch::Tensor block_table,
-                                     torch::Tensor seq_lens, double scale, bool bf16_dot);
-torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual,
-                                              torch::Tensor weight, double eps);
-torch::Tensor rotary_embedding(torch::Tensor positions, torch::Tensor x, torch::Tensor cos,
-                               torch::Tensor sin, bool interleaved);
+#include "ops.h"
 
 using decode_layers::OptTensor;
 using decode_layers::packed_linear;

@@ -4,20 +4,9 @@
 // run them, so the results are the same bit for bit (tests/ops/test_cpu_decoder_layers.py).
 // widellm/model/fused_decode.py decides when it applies and gathers the weights.
 #include "decode_layers.h"
+#include "ops.h"
 
 #include <limits>
-
-torch::Tensor silu_and_mul(torch::Tensor x);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-std::vector<torch::Tensor> fused_add_rms_norm(torch::Tensor x, torch::Tensor residual,
-                                              torch::Tensor weight, double eps);
-torch::Tensor rotary_embedding(torch::Tensor positions, torch::Tensor x, torch::Tensor cos,
-                               torch::Tensor sin, bool interleaved);
-torch::Tensor mla_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
-                                   torch::Tensor seq_lens, int64_t v_head_size, double scale);
-torch::Tensor fused_experts(torch::Tensor hidden, torch::Tensor expert_ids, torch::Tensor w13,
-                            torch::Tensor w2);
-torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights);
 
 using decode_layers::OptTensor;
 using decode_layers::packed_linear;
