@@ -33,12 +33,13 @@ constexpr int64_t kBlockSize = 16;  // cache rows per block: one score tile's ro
 #if WIDELLM_HAS_AMX
 // Per-thread buffers of mla_decode_seq, reused from one sequence to the next.
 struct SeqScratch {
-  std::vector<bf16> q_packed;   // [Dk / 2][16][2], one head chunk
-  std::vector<float> scores;    // [blocks * 16][16]: token-major score tiles
-  std::vector<bf16> probs;      // [16][tokens rounded up to 32]
-  std::vector<bf16> v_packed;   // [tokens rounded up to 32 / 2][Dv][2]
-  std::vector<float> row;       // one head's scores, then probabilities
-  std::vector<bf16> zero_row;   // [Dv] zeros: the partner of an odd length's last token
+  // Uninitialised on growth: each is written before it is read (zeroed where noted).
+  ScratchVector<bf16> q_packed;   // [Dk / 2][16][2], one head chunk
+  ScratchVector<float> scores;    // [blocks * 16][16]: token-major score tiles
+  ScratchVector<bf16> probs;      // [16][tokens rounded up to 32]
+  ScratchVector<bf16> v_packed;   // [tokens rounded up to 32 / 2][Dv][2]
+  ScratchVector<float> row;       // one head's scores, then probabilities
+  ScratchVector<bf16> zero_row;   // [Dv] zeros: the partner of an odd length's last token
 };
 
 // One sequence, all heads: out [H, Dv] for q [H, Dk]; blocks are its block-table row, L its
@@ -57,8 +58,9 @@ void mla_decode_seq(const bf16* q, int64_t H, int64_t Dk, const bf16* cache,
   // Pairs up to L are written whole, so only the pairs after them are zeroed.
   const int64_t L2 = (L + 1) / 2 * 2;
   s.v_packed.resize(L32 * Dv);
-  std::fill(s.v_packed.begin() + L2 * Dv, s.v_packed.end(), bf16(0.f));
-  s.zero_row.assign(Dv, bf16(0.f));
+  zero_bf16(s.v_packed.data() + L2 * Dv, (L32 - L2) * Dv);
+  s.zero_row.resize(Dv);
+  zero_bf16(s.zero_row.data(), Dv);
   for (int64_t l = 0; l < L; l += 2) {
     const bf16* r1 = l + 1 < L ? row_at(l + 1) : s.zero_row.data();
     interleave_rows(row_at(l), r1, Dv, s.v_packed.data() + l * Dv);
@@ -71,7 +73,8 @@ void mla_decode_seq(const bf16* q, int64_t H, int64_t Dk, const bf16* cache,
   for (int64_t h0 = 0; h0 < H; h0 += kTile) {
     const int64_t heads = std::min(kTile, H - h0);
     // Scores: C[token][head] = cache block rows (A, in place) x packed query heads (B).
-    s.q_packed.assign(Dk * kTile, bf16(0.f));
+    s.q_packed.resize(Dk * kTile);
+    if (heads < kTile) zero_bf16(s.q_packed.data(), Dk * kTile);  // else every column is packed
     for (int64_t h = 0; h < heads; ++h) pack_row(q + (h0 + h) * Dk, Dk, s.q_packed.data(), h);
     for (int64_t i = 0; i < num_blocks; ++i) {
       const bf16* blk = cache + blocks[i] * block_elems;
@@ -84,7 +87,7 @@ void mla_decode_seq(const bf16* q, int64_t H, int64_t Dk, const bf16* cache,
       _tile_stored(0, s.scores.data() + i * kBlockSize * kTile, kTile * sizeof(float));
     }
     // Softmax per head over its L tokens; probabilities rounded to bf16, zero past L.
-    std::fill(s.probs.begin(), s.probs.end(), bf16(0.f));
+    zero_bf16(s.probs.data(), kTile * L32);
     for (int64_t h = 0; h < heads; ++h) {
       float* p = s.row.data();
       for (int64_t l = 0; l < L; ++l) p[l] = round_to<bf16>(s.scores[l * kTile + h]) * scale;
