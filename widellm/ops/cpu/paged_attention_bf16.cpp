@@ -35,10 +35,11 @@ struct CacheStrides {
 };
 
 struct HeadScratch {
-  std::vector<float> scores;  // [G][tokens rounded up to 16]
-  std::vector<float> row;     // one query row's probabilities in fp32
-  std::vector<bf16> probs;    // [G][tokens rounded up to 2]: bf16 pairs, zero past L
-  std::vector<bf16> zero_row; // [Dv] zeros: the partner of an odd length's last token
+  // Uninitialised growth (ScratchVector): sequences of different lengths alternate.
+  ScratchVector<float> scores;  // [G][tokens rounded up to 16]
+  ScratchVector<float> row;     // one query row's probabilities in fp32
+  ScratchVector<bf16> probs;    // [G][tokens rounded up to 2]: bf16 pairs, zero past L
+  ScratchVector<bf16> zero_row; // [Dv] zeros: the partner of an odd length's last token
 };
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }

@@ -83,9 +83,11 @@ inline float exp_row(const float* s, int64_t len, float scale, bf16* p, int64_t 
 }
 
 struct BlockScratch {
-  std::vector<bf16> q_rows;   // [16][Dk]: a last block of fewer than 16 queries, zero padded
-  std::vector<float> scores;  // [16][lds]: keys rounded up to 16, then one line of padding
-  std::vector<bf16> probs;    // [16][ldp], likewise from 32; rows past the block's: stale
+  // Uninitialised growth: the blocks of a task alternate small and large, and a zero-filling
+  // resize then rewrote the probabilities on every large block (~30% of the kernel's time).
+  ScratchVector<bf16> q_rows;   // [16][Dk]: a last block of fewer than 16 queries, zero padded
+  ScratchVector<float> scores;  // [16][lds]: keys rounded up to 16, then one line of padding
+  ScratchVector<bf16> probs;    // [16][ldp], likewise from 32; rows past the block's: stale
   float inv_sum[kTile];       // 1 / the sum of each query row's exps
 };
 
@@ -188,7 +190,8 @@ void attend_block(RowView q, int64_t i0, int64_t n, int64_t p0, const bf16* k_pa
   const bf16* qa = q.data + i0 * q.row;
   int64_t q_stride = q.row;
   if (n < kTile) {  // the tile load reads 16 rows: stage the last block's rows
-    s.q_rows.assign(kTile * Dk, bf16(0.f));
+    s.q_rows.resize(kTile * Dk);
+    zero_bf16(s.q_rows.data() + n * Dk, (kTile - n) * Dk);
     for (int64_t r = 0; r < n; ++r) std::copy_n(qa + r * q.row, Dk, s.q_rows.data() + r * Dk);
     qa = s.q_rows.data();
     q_stride = Dk;
