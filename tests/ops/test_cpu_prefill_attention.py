@@ -74,3 +74,43 @@ def test_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="bf16"):
         kernels.prefill_attention(q.float(), k.float(), v.float(),
                                   torch.empty(10, 4, 32), 1.0)
+
+
+def test_batch_of_chunks_equals_one_call_per_chunk():
+    """A step's chunks in one call, after two decode rows it must not touch: whole prompts,
+    chunks after a cached prefix, a one-token chunk, lengths on and off 16. Each chunk's
+    rows equal (bit for bit) the one-chunk call and are close to the fp64 ground truth."""
+    kernels = _kernels(64, 64)
+    H, Hkv, dk = 6, 2, 64
+    # (context length, query count)
+    shapes = [(37, 37), (300, 44), (128, 128), (50, 1), (16, 16), (290, 290)]
+    decodes = 2
+    total = decodes + sum(lq for _, lq in shapes)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(total, H, dk, generator=gen).to(torch.bfloat16)
+    ks, vs, query_start_loc = [], [], [decodes]
+    for i, (L, Lq) in enumerate(shapes):
+        _, k, v = _views(L, Lq, H, Hkv, dk, dk, seed=100 + i)
+        ks.append(k)
+        vs.append(v)
+        query_start_loc.append(query_start_loc[-1] + Lq)
+    out = torch.full((total, H, dk), float("nan"), dtype=torch.bfloat16)
+    kernels.prefill_attention_batch(q, out, ks, vs, query_start_loc, 0.125)
+    assert out[:decodes].isnan().all()  # the decode rows are left alone
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        a, b = query_start_loc[i], query_start_loc[i + 1]
+        alone = torch.empty(b - a, H, dk, dtype=torch.bfloat16)
+        kernels.prefill_attention(q[a:b], k, v, alone, 0.125)
+        assert torch.equal(out[a:b], alone), f"chunk {i}"
+        truth = prefill_attention_reference(q[a:b].double(), k.double(), v.double(), 0.125)
+        torch.testing.assert_close(out[a:b].double(), truth, atol=1.5e-2, rtol=1e-2)
+
+
+def test_batch_rejects_mismatched_lists():
+    kernels = _kernels(32, 32)
+    q, k, v = _views(10, 10, 4, 2, 32, 32, seed=5)
+    out = torch.empty(10, 4, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="query_start_loc"):
+        kernels.prefill_attention_batch(q, out, [k], [v], [0], 1.0)
+    with pytest.raises(RuntimeError, match="shapes do not match"):  # rows past q's end
+        kernels.prefill_attention_batch(q, out, [k], [v], [0, 11], 1.0)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from widellm.forward_context import get_forward_context
-from widellm.layers.attention_metadata import AttentionMetadata
+from widellm.layers.attention_metadata import AttentionMetadata, PrefillSeq
 from widellm.ops.cpu_attention import paged_decode_attention, prefill_attention_kernels
 
 
@@ -76,17 +76,16 @@ class Attention(nn.Module):
             )
             out[:d] = o.squeeze(2)
 
+        if not md.prefills:
+            return out
         kernels = prefill_attention_kernels(q, self.head_dim, self.head_dim)
-        for p in md.prefills:
-            if p.context_slots is None:
-                ks, vs = k[p.token_start:p.token_end], v[p.token_start:p.token_end]
-            else:
-                ks = gather_from_cache(k_cache, p.context_slots)
-                vs = gather_from_cache(v_cache, p.context_slots)
-            if kernels is not None:  # causal over the context, written in place
-                kernels.prefill_attention(q[p.token_start:p.token_end], ks, vs,
-                                          out[p.token_start:p.token_end], self.scale)
-                continue
+        contexts = [self._prefill_context(p, k, v, k_cache, v_cache) for p in md.prefills]
+        if kernels is not None:  # causal over each context, every chunk in one call
+            kernels.prefill_attention_batch(q, out, [c[0] for c in contexts],
+                                            [c[1] for c in contexts], md.prefill_query_start_loc,
+                                            self.scale)
+            return out
+        for p, (ks, vs) in zip(md.prefills, contexts):
             qs = q[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             o = F.scaled_dot_product_attention(
                 qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
@@ -94,3 +93,13 @@ class Attention(nn.Module):
             )
             out[p.token_start:p.token_end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _prefill_context(p: PrefillSeq, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [context_len, Hkv, D] a prompt chunk attends to: its own rows of
+        this step when it is the whole context, else gathered from the cache."""
+        if p.context_slots is None:
+            return k[p.token_start:p.token_end], v[p.token_start:p.token_end]
+        return (gather_from_cache(k_cache, p.context_slots),
+                gather_from_cache(v_cache, p.context_slots))

@@ -50,6 +50,14 @@ class AttentionMetadata:
     # None when the batch has no padding.
     padding_mask: torch.Tensor | None = None
 
+    @property
+    def prefill_query_start_loc(self) -> list[int]:
+        """[len(prefills) + 1]: each prefill chunk's first batch row, then the last one's end
+        (the chunks' rows follow each other)."""
+        if not self.prefills:
+            return []
+        return [p.token_start for p in self.prefills] + [self.prefills[-1].token_end]
+
 
 def build_attention_metadata(
     query_lens: np.ndarray,

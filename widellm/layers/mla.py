@@ -99,6 +99,7 @@ class MLAAttention(nn.Module):
         if fresh:
             fresh_start = fresh[0].token_start
             kv_fresh = self._kv_b_proj[0](kv_c[fresh_start:fresh[-1].token_end])
+        contexts = []
         for p in md.prefills:
             if p.context_slots is None:
                 kv = kv_fresh[p.token_start - fresh_start:p.token_end - fresh_start]
@@ -107,26 +108,36 @@ class MLAAttention(nn.Module):
                 ctx = gather_from_cache(cache, p.context_slots)
                 kv = self._kv_b_proj[0](ctx[:, : self.kv_lora_rank])
                 ctx_pe = ctx[:, self.kv_lora_rank:]
-            out[p.token_start:p.token_end] = self._prefill_expanded(
-                q[p.token_start:p.token_end], kv, ctx_pe, p.mask
-            )
+            contexts.append(self._expand_context(kv, ctx_pe))
+        if not contexts:
+            return out
+        kernels = prefill_attention_kernels(q, contexts[0][0].shape[-1], self.v_head_dim)
+        if kernels is not None:  # causal over each context, every chunk in one call
+            kernels.prefill_attention_batch(q, out, [c[0] for c in contexts],
+                                            [c[1] for c in contexts], md.prefill_query_start_loc,
+                                            self.scale)
+            return out
+        for p, (k, v) in zip(md.prefills, contexts):
+            out[p.token_start:p.token_end] = self._prefill_sdpa(
+                q[p.token_start:p.token_end], k, v, p.mask)
         return out
 
-    def _prefill_expanded(
-        self, q: torch.Tensor, kv: torch.Tensor, ctx_pe: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """q [q, H, nope+rope], kv [L, H * (nope + v)] (the context's latents through
-        kv_b_proj), ctx_pe [L, rope] -> [q, H, v]."""
+    def _expand_context(
+        self, kv: torch.Tensor, ctx_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv [L, H * (nope + v)] (the context's latents through kv_b_proj), ctx_pe [L, rope]
+        -> per-head keys [L, H, nope+rope] and values [L, H, v]."""
         L = kv.shape[0]
         kv = kv.view(L, self.num_heads, -1)
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, ctx_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
-        kernels = prefill_attention_kernels(q, k.shape[-1], self.v_head_dim)
-        if kernels is not None:  # causal over the context, as the mask below
-            out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
-            kernels.prefill_attention(q, k, v, out, self.scale)
-            return out
+        return k, v
+
+    def _prefill_sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """q [q, H, nope+rope], k [L, H, nope+rope], v [L, H, v] -> [q, H, v] in torch SDPA,
+        the twin of the prefill kernel."""
         # Zero-pad v to the q/k head size: torch's fused CPU attention kernel needs equal head
         # sizes, and without it SDPA falls back to its slow unfused path.
         pad = k.shape[-1] - self.v_head_dim

@@ -28,6 +28,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether prefill_attention runs for (head_size, v_head_size) here");
   m.def("prefill_attention", &prefill_attention, ReleaseGil(),
         "Causal attention of one prompt chunk into out, bf16 (CPU, AMX)");
+  m.def("prefill_attention_batch", &prefill_attention_batch, ReleaseGil(),
+        "Causal attention of a step's prompt chunks into out in one call, bf16 (CPU, AMX)",
+        py::arg("q"), py::arg("out"), py::arg("k"), py::arg("v"), py::arg("query_start_loc"),
+        py::arg("scale"));
   m.def("moe_combine", &moe_combine, ReleaseGil(),
         "sum_j weights[t, j] * y[t * k + j] in fp32, rounded once (CPU)");
   m.def("fused_experts_backend", &fused_experts_backend,

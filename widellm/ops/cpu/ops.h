@@ -29,6 +29,9 @@ torch::Tensor mla_decode_attention(torch::Tensor q, torch::Tensor cache, torch::
 bool prefill_attention_supported(int64_t head_size, int64_t v_head_size);
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
                        double scale);
+void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<torch::Tensor> k,
+                             std::vector<torch::Tensor> v, std::vector<int64_t> query_start_loc,
+                             double scale);
 
 torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights);
 

@@ -1,27 +1,36 @@
-// Causal attention of one prompt chunk with AMX tiles (bf16):
-//   prefill_attention(q [Lq, H, Dk], k [L, Hkv, Dk], v [L, Hkv, Dv], out [Lq, H, Dv], scale)
-//   out[i, n] = softmax_j(scale * q[i, n] . k[j, n / G]) v[j, n / G],  j <= L - Lq + i
-// Query i is the chunk's i-th token, at position L - Lq + i of its context (L - Lq cached
-// positions come first); G = H / Hkv query heads share a KV head. Tokens and heads of every
-// tensor may be strided (q, k, v are views of fused projections); each head's values are
-// contiguous.
+// Causal attention of prompt chunks with AMX tiles (bf16):
+//   prefill_attention_batch(q [T, H, Dk], out [T, H, Dv], k[i] [L_i, Hkv, Dk],
+//                           v[i] [L_i, Hkv, Dv], query_start_loc [n + 1], scale)
+//   out[q0 + i, n] = softmax_j(scale * q[q0 + i, n] . k[j, n / G]) v[j, n / G],
+//                    j <= L - Lq + i
+// for each chunk: rows [q0, q0 + Lq) = [query_start_loc[c], query_start_loc[c + 1]) of q and
+// out, context k[c], v[c] of L positions. Query i is the chunk's i-th token, at position
+// L - Lq + i of its context (L - Lq cached positions come first); G = H / Hkv query heads
+// share a KV head. Tokens and heads of every tensor may be strided (q, k, v are views of fused
+// projections); each head's values are contiguous. prefill_attention(q, k, v, out, scale) is
+// the one-chunk form.
 //
-//   1. per KV head, once: keys packed as AMX B tiles ([L / 16][Dk / 2][16][2]) and value rows
-//      interleaved in pairs ([L / 2][Dv][2]), zero past L;
+//   1. per (chunk, KV head), once: keys packed as AMX B tiles ([L / 16][Dk / 2][16][2]) and
+//      value rows interleaved in pairs ([L / 2][Dv][2]), zero past L;
 //   2. per (query head, block of 16 queries): scores = query rows (A, read in place) x key
 //      tiles, up to the block's last position; softmax per query row in fp32 over its causal
 //      prefix, probabilities rounded to bf16 (as torch's CPU flash attention rounds them);
 //      out = probabilities (A) x value pairs (B), accumulated in fp32, rounded to bf16.
-// Blocks are paired first with last in a task, so that both threads get the same causal work.
+// Blocks are paired first with last in a task, so that a task's causal work is about the same
+// for every pair of a chunk; the threads take tasks in turn, longest chunks first.
 //
 // Why: torch's flash attention on this CPU runs the prompt at ~150 GFLOP/s (SmolLM2, 16 prompts
 // of 256 tokens: ~18% of a 4,096-token prefill step); tile products reach several times that.
+// One call for all of a step's chunks: a call per chunk cost ~10-15 us of set-up and thread
+// wake-up each, and split 128-token prompts so finely that two threads were barely faster
+// than one.
 #include "amx.h"
 #include "vec.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -236,64 +245,145 @@ bool prefill_attention_supported(int64_t head_size, int64_t v_head_size) {
 #endif
 }
 
-void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
-                       double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3,
-              "prefill_attention: q, k, v and out must be 3-D [tokens, heads, head_size]");
-  for (const auto* t : {&q, &k, &v, &out}) {
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->device().is_cpu(),
-                "prefill_attention: bf16 CPU tensors only");
-    TORCH_CHECK(t->stride(2) == 1, "prefill_attention: each head's values must be contiguous");
+#if WIDELLM_HAS_AMX
+namespace {
+
+// One prompt chunk of a batch: query rows [q0, q0 + Lq) of q and out, L context positions.
+struct Chunk {
+  int64_t q0, Lq, L, L16, L32;
+  RowView k, v;                   // KV head 0; heads are k_head / v_head elements apart
+  int64_t k_head, v_head;
+  int64_t k_packed, v_pairs;      // offsets of this chunk's packed keys / value pairs
+  int64_t blocks, pairs;          // query blocks of 16, and tasks pairing first with last
+};
+
+}  // namespace
+#endif
+
+void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<torch::Tensor> k,
+                             std::vector<torch::Tensor> v, std::vector<int64_t> query_start_loc,
+                             double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3,
+              "prefill_attention: q and out must be 3-D [tokens, heads, head_size]");
+  const int64_t n = static_cast<int64_t>(k.size());
+  TORCH_CHECK(static_cast<int64_t>(v.size()) == n &&
+                  static_cast<int64_t>(query_start_loc.size()) == n + 1,
+              "prefill_attention: one k and v per chunk and n + 1 query_start_loc");
+  const int64_t H = q.size(1), Dk = q.size(2), Dv = out.size(2);
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == H,
+              "prefill_attention: out must be [tokens, heads, v_head_size] like q");
+  int64_t Hkv = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (const auto* t : {&k[i], &v[i]}) {
+      TORCH_CHECK(t->dim() == 3, "prefill_attention: k and v must be 3-D [tokens, heads, size]");
+      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->device().is_cpu() && t->stride(2) == 1,
+                  "prefill_attention: bf16 CPU tensors, each head's values contiguous");
+    }
+    if (i == 0) Hkv = k[i].size(1);
+    const int64_t Lq = query_start_loc[i + 1] - query_start_loc[i], L = k[i].size(0);
+    TORCH_CHECK(k[i].size(1) == Hkv && k[i].size(2) == Dk && v[i].size(0) == L &&
+                    v[i].size(1) == Hkv && v[i].size(2) == Dv && L >= Lq && Lq >= 0 &&
+                    query_start_loc[i] >= 0 && query_start_loc[i + 1] <= q.size(0),
+                "prefill_attention: shapes do not match (chunk ", i, ")");
   }
-  const int64_t Lq = q.size(0), H = q.size(1), Dk = q.size(2);
-  const int64_t L = k.size(0), Hkv = k.size(1), Dv = v.size(2);
-  TORCH_CHECK(k.size(2) == Dk && v.size(0) == L && v.size(1) == Hkv && Hkv >= 1 &&
-                  H % Hkv == 0 && L >= Lq && out.size(0) == Lq && out.size(1) == H &&
-                  out.size(2) == Dv,
-              "prefill_attention: shapes do not match");
+  for (const auto* t : {&q, &out})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->device().is_cpu() && t->stride(2) == 1,
+                "prefill_attention: bf16 CPU tensors, each head's values contiguous");
+  TORCH_CHECK(n == 0 || (Hkv >= 1 && H % Hkv == 0),
+              "prefill_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(prefill_attention_supported(Dk, Dv),
               "prefill_attention: needs AMX and head sizes that are multiples of 32");
 #if WIDELLM_HAS_AMX
-  if (Lq == 0) return;
+  if (n == 0) return;
   const int64_t G = H / Hkv;
-  const int64_t L16 = (L + kTile - 1) / kTile * kTile;
-  const int64_t L32 = (L + kTileK - 1) / kTileK * kTileK;
-  auto k_packed = torch::empty({Hkv, L16 * Dk}, q.options());
-  auto v_pairs = torch::empty({Hkv, L32 * Dv}, q.options());
+  std::vector<Chunk> chunks(n);
+  int64_t k_total = 0, v_total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    Chunk& c = chunks[i];
+    c.q0 = query_start_loc[i];
+    c.Lq = query_start_loc[i + 1] - c.q0;
+    c.L = k[i].size(0);
+    c.L16 = (c.L + kTile - 1) / kTile * kTile;
+    c.L32 = (c.L + kTileK - 1) / kTileK * kTileK;
+    c.k = {k[i].data_ptr<bf16>(), k[i].stride(0)};
+    c.v = {v[i].data_ptr<bf16>(), v[i].stride(0)};
+    c.k_head = k[i].stride(1);
+    c.v_head = v[i].stride(1);
+    c.k_packed = k_total;
+    c.v_pairs = v_total;
+    k_total += Hkv * c.L16 * Dk;
+    v_total += Hkv * c.L32 * Dv;
+    c.blocks = (c.Lq + kTile - 1) / kTile;
+    c.pairs = (c.blocks + 1) / 2;
+  }
+  auto k_packed = torch::empty({k_total}, q.options());
+  auto v_pairs = torch::empty({v_total}, q.options());
   bf16* kp = k_packed.data_ptr<bf16>();
   bf16* vp = v_pairs.data_ptr<bf16>();
-  const bf16* qd = q.data_ptr<bf16>();
-  const bf16* kd = k.data_ptr<bf16>();
-  const bf16* vd = v.data_ptr<bf16>();
-  bf16* od = out.data_ptr<bf16>();
-  const int64_t chunks = (L + kPackChunk - 1) / kPackChunk;
-  at::parallel_for(0, Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+
+  // 1. Pack every chunk's keys and values: tasks (chunk, KV head, 256 positions).
+  struct PackTask {
+    int64_t chunk, head, l0;
+  };
+  std::vector<PackTask> packs;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t l0 = 0; l0 < chunks[i].L; l0 += kPackChunk) packs.push_back({i, h, l0});
+  at::parallel_for(0, static_cast<int64_t>(packs.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t h = t / chunks, l0 = t % chunks * kPackChunk;
-      pack_keys_values({kd + h * k.stride(1), k.stride(0)}, {vd + h * v.stride(1), v.stride(0)},
-                       l0, std::min(L, l0 + kPackChunk), L, Dk, Dv, L16, L32, kp + h * L16 * Dk,
-                       vp + h * L32 * Dv);
+      const PackTask& p = packs[t];
+      const Chunk& c = chunks[p.chunk];
+      pack_keys_values({c.k.data + p.head * c.k_head, c.k.row},
+                       {c.v.data + p.head * c.v_head, c.v.row}, p.l0,
+                       std::min(c.L, p.l0 + kPackChunk), c.L, Dk, Dv, c.L16, c.L32,
+                       kp + c.k_packed + p.head * c.L16 * Dk, vp + c.v_pairs + p.head * c.L32 * Dv);
     }
   });
 
-  // Task (pair, head): query blocks `pair` and `blocks - 1 - pair`, whose causal work sums to
-  // about the same for every pair.
-  const int64_t blocks = (Lq + kTile - 1) / kTile, pairs = (blocks + 1) / 2;
+  // 2. Tasks (chunk, pair of query blocks, head), longest contexts first, taken by the threads
+  // in turn: chunks of different lengths would leave a static split unbalanced.
+  struct AttendTask {
+    int64_t chunk, pair, head;
+  };
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return chunks[a].L > chunks[b].L; });
+  std::vector<AttendTask> tasks;
+  for (int64_t i : order)
+    for (int64_t pair = 0; pair < chunks[i].pairs; ++pair)
+      for (int64_t head = 0; head < H; ++head) tasks.push_back({i, pair, head});
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, pairs * H, 1, [&](int64_t begin, int64_t end) {
+  const bf16* qd = q.data_ptr<bf16>();
+  bf16* od = out.data_ptr<bf16>();
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     TileScope tiles;
     BlockScratch scratch;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t pair = t / H, head = t % H, h = head / G;
+    for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
+      const auto [i, pair, head] = tasks[t];
+      const Chunk& c = chunks[i];
+      const int64_t h = head / G;
       auto attend = [&](int64_t b) {
         const int64_t i0 = b * kTile;
-        attend_block({qd + head * q.stride(1), q.stride(0)}, i0, std::min(kTile, Lq - i0),
-                     L - Lq + i0, kp + h * L16 * Dk, vp + h * L32 * Dv, Dk, Dv, fscale,
-                     od + head * out.stride(1), out.stride(0), scratch);
+        attend_block({qd + c.q0 * q.stride(0) + head * q.stride(1), q.stride(0)}, i0,
+                     std::min(kTile, c.Lq - i0), c.L - c.Lq + i0,
+                     kp + c.k_packed + h * c.L16 * Dk, vp + c.v_pairs + h * c.L32 * Dv, Dk, Dv,
+                     fscale, od + c.q0 * out.stride(0) + head * out.stride(1), out.stride(0),
+                     scratch);
       };
       attend(pair);
-      if (blocks - 1 - pair != pair) attend(blocks - 1 - pair);
+      if (c.blocks - 1 - pair != pair) attend(c.blocks - 1 - pair);
     }
   });
 #endif
+}
+
+void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+                       double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(0) == q.size(0),
+              "prefill_attention: q and out must be 3-D [tokens, heads, head_size]");
+  prefill_attention_batch(q, out, {k}, {v}, {0, q.size(0)}, scale);
 }
