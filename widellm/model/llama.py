@@ -127,7 +127,8 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """The interface every model family implements for the model runner:
     ``forward(input_ids [T], positions [T]) -> hidden [T, H]``,
-    ``compute_logits(hidden [N, H]) -> [N, vocab] fp32``, ``load_weights(iterable)``."""
+    ``compute_logits(hidden [N, H]) -> [N, vocab]`` in the model's dtype (the sampler widens to
+    fp32 where it computes; greedy argmax needs no [N, vocab] fp32 copy), ``load_weights``."""
 
     stacked_shards: tuple[StackedShard, ...] = ()
     skip_weights: tuple[str, ...] = (r"rotary_emb\.inv_freq",)
@@ -145,7 +146,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loaded = load_weights(self, weights, self.stacked_shards, self.skip_weights)
