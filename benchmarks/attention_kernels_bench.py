@@ -3,9 +3,10 @@ replace, bf16, both cores, SmolLM2-135M's shapes (9 query heads, 3 KV heads, hea
 
 Decode: ``paged_decode_attention`` on its AVX512-BF16 path against its fp32 vector path
 (``bf16_dot=False``) and the gather + SDPA form, with 30 layers' worth of caches visited in
-turn (as a decode step does, so the cache does not stay in L3). Prefill: the AMX causal
-``prefill_attention`` against torch SDPA (the layers' reference path), for SmolLM2 prompts and
-for MLA's expanded prefill shape (deepseek-v3-small: 16 heads, 192 / 128)::
+turn (as a decode step does, so the cache does not stay in L3). Prefill: the AMX causal kernel
+with every prompt in one ``prefill_attention_batch`` call (as the layers call it) and one
+``prefill_attention`` call per prompt, against torch SDPA (the layers' reference path), for
+SmolLM2 prompts and for MLA's expanded prefill shape (deepseek-v3-small: 16 heads, 192 / 128)::
 
     .venv/bin/python benchmarks/attention_kernels_bench.py [--output-json FILE]
 
@@ -68,14 +69,20 @@ def prefill_cases(args, kernels) -> list[dict]:
                                  (64, 128, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM),
                                  (1, 2048, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM),
                                  (16, 128, 16, 16, 192, 128)):
-        qs = [torch.randn(L, H, dk, generator=g).bfloat16() for _ in range(n)]
+        q_all = torch.randn(n * L, H, dk, generator=g).bfloat16()
+        qs = list(q_all.split(L))
         ks = [torch.randn(L, Hkv, dk, generator=g).bfloat16() for _ in range(n)]
         vs = [torch.randn(L, Hkv, dv, generator=g).bfloat16() for _ in range(n)]
         o = torch.empty(L, H, dv, dtype=torch.bfloat16)
+        o_all = torch.empty(n * L, H, dv, dtype=torch.bfloat16)
+        starts = [i * L for i in range(n + 1)]
 
-        def kernel():
+        def kernel():  # one call per prompt
             for q, k, v in zip(qs, ks, vs):
                 kernels.prefill_attention(q, k, v, o, dk ** -0.5)
+
+        def batch():  # every prompt in one call, as the layers call it
+            kernels.prefill_attention_batch(q_all, o_all, ks, vs, starts, dk ** -0.5)
 
         def sdpa():  # as the layers call it: causal, GQA in SDPA (MLA pads v to dk)
             for q, k, v in zip(qs, ks, vs):
@@ -86,7 +93,8 @@ def prefill_cases(args, kernels) -> list[dict]:
                     v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=dk ** -0.5,
                     enable_gqa=True)
 
-        times = best_ms({"amx": kernel, "sdpa": sdpa}, args.iters, args.repeats)
+        times = best_ms({"amx_batch": batch, "amx_per_prompt": kernel, "sdpa": sdpa}, args.iters,
+                        args.repeats)
         out.append({"kernel": "prefill_attention", "prompts": n, "len": L, "heads": H,
                     "kv_heads": Hkv, "dk": dk, "dv": dv, "ms": times})
         print(f"prefill {n:3d} x {L:5d} H={H:2d}/{Hkv:2d} d={dk}/{dv} " + times_text(times),

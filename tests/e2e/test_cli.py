@@ -48,3 +48,17 @@ def test_bad_flag_value_exits_with_message(tmp_path):
     proc = run_cli(["generate", "hi", "--model", "/no/such/model"], str(tmp_path))
     assert proc.returncode == 2
     assert "/no/such/model" in proc.stderr
+
+
+def test_serve_step_budget_defaults_to_vllms_api_server_one():
+    """`widellm serve` prefills with a 2,048-token step budget (vLLM's API server on CPU),
+    the offline commands with the engine's 4,096; an explicit flag wins in both."""
+    from widellm.entrypoints.cli import build_parser
+    from widellm.entrypoints.server_args import SERVE_MAX_NUM_BATCHED_TOKENS
+
+    parser = build_parser()
+    assert SERVE_MAX_NUM_BATCHED_TOKENS == 2048
+    assert parser.parse_args(["serve"]).max_num_batched_tokens == 2048
+    assert parser.parse_args(["serve", "--max-num-batched-tokens", "4096"]) \
+        .max_num_batched_tokens == 4096
+    assert parser.parse_args(["generate", "hi"]).max_num_batched_tokens == 4096

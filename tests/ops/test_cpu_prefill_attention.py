@@ -76,12 +76,13 @@ def test_rejects_bad_shapes():
                                   torch.empty(10, 4, 32), 1.0)
 
 
-def test_batch_of_chunks_equals_one_call_per_chunk():
+# Llama-family GQA, and MLA's expanded prefill (one KV head per query head, 192 / 128).
+@pytest.mark.parametrize("H,Hkv,dk,dv", [(6, 2, 64, 64), (4, 4, 192, 128)])
+def test_batch_of_chunks_equals_one_call_per_chunk(H, Hkv, dk, dv):
     """A step's chunks in one call, after two decode rows it must not touch: whole prompts,
     chunks after a cached prefix, a one-token chunk, lengths on and off 16. Each chunk's
     rows equal (bit for bit) the one-chunk call and are close to the fp64 ground truth."""
-    kernels = _kernels(64, 64)
-    H, Hkv, dk = 6, 2, 64
+    kernels = _kernels(dk, dv)
     # (context length, query count)
     shapes = [(37, 37), (300, 44), (128, 128), (50, 1), (16, 16), (290, 290)]
     decodes = 2
@@ -90,16 +91,16 @@ def test_batch_of_chunks_equals_one_call_per_chunk():
     q = torch.randn(total, H, dk, generator=gen).to(torch.bfloat16)
     ks, vs, query_start_loc = [], [], [decodes]
     for i, (L, Lq) in enumerate(shapes):
-        _, k, v = _views(L, Lq, H, Hkv, dk, dk, seed=100 + i)
+        _, k, v = _views(L, Lq, H, Hkv, dk, dv, seed=100 + i)
         ks.append(k)
         vs.append(v)
         query_start_loc.append(query_start_loc[-1] + Lq)
-    out = torch.full((total, H, dk), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((total, H, dv), float("nan"), dtype=torch.bfloat16)
     kernels.prefill_attention_batch(q, out, ks, vs, query_start_loc, 0.125)
     assert out[:decodes].isnan().all()  # the decode rows are left alone
     for i, (k, v) in enumerate(zip(ks, vs)):
         a, b = query_start_loc[i], query_start_loc[i + 1]
-        alone = torch.empty(b - a, H, dk, dtype=torch.bfloat16)
+        alone = torch.empty(b - a, H, dv, dtype=torch.bfloat16)
         kernels.prefill_attention(q[a:b], k, v, alone, 0.125)
         assert torch.equal(out[a:b], alone), f"chunk {i}"
         truth = prefill_attention_reference(q[a:b].double(), k.double(), v.double(), 0.125)

@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_server_cli_args(serve)
     EngineArgs.add_cli_args(serve, positional_model=True)
+    add_server_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="complete one or more prompts")

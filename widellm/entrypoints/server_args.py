@@ -11,10 +11,16 @@ DEFAULT_PORT = 8000
 # Largest ``n`` one request may ask for: each sample is a sequence in the batch.
 DEFAULT_MAX_N = 16
 API_KEY_ENV = "WIDELLM_API_KEY"
+# The server's step token budget (the offline engine's is EngineArgs' 4,096), as vLLM's API
+# server on CPU: prompts arriving together are then prefilled over several steps, so the first
+# ones get their first token sooner; offline, one larger step wastes less per-step overhead.
+SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
 def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags, and its engine defaults where they differ from the offline
+    engine's; call it after ``EngineArgs.add_cli_args`` on the same parser."""
     parser.add_argument("--host", type=str, default=DEFAULT_HOST,
                         help="address to listen on (0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
@@ -31,3 +37,4 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="run this machine's data-parallel ranks (from "
                              "--data-parallel-start-rank) without an API server; they join "
                              "the head node at --data-parallel-address:--data-parallel-rpc-port")
+    parser.set_defaults(max_num_batched_tokens=SERVE_MAX_NUM_BATCHED_TOKENS)

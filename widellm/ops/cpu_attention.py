@@ -9,9 +9,10 @@ multiplies the bf16 rows as they are stored (AVX512-BF16 dot products) and round
 probabilities to bf16, as torch's CPU flash attention does. Where the kernels cannot be built
 (see :mod:`widellm.ops.cpu_kernels`) callers use the reference path.
 
-Causal prefill attention of a prompt chunk in bf16 runs in an AMX kernel
-(``cpu/prefill_attention.cpp``, 1.4-1.7x torch SDPA at 128-256 tokens, parity at 2,048) where
-:func:`prefill_attention_kernels` finds it; :func:`prefill_attention_reference` is its twin.
+Causal prefill attention of a step's prompt chunks in bf16 runs in an AMX kernel, all chunks
+in one call (``cpu/prefill_attention.cpp``; SmolLM2's heads: ~1.7x torch SDPA at 128-256
+tokens, ~1.3x at 2,048) where :func:`prefill_attention_kernels` finds it;
+:func:`prefill_attention_reference` is its twin, per chunk.
 """
 
 from __future__ import annotations
