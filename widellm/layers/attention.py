@@ -15,7 +15,9 @@ from torch import nn
 
 from widellm.forward_context import get_forward_context
 from widellm.layers.attention_metadata import AttentionMetadata, PrefillSeq
-from widellm.ops.cpu_attention import paged_decode_attention, prefill_attention_kernels
+from widellm.ops.cpu_attention import (
+    paged_decode_attention, prefill_attention_batch, prefill_attention_kernels,
+)
 
 
 def store_to_cache(cache: torch.Tensor, md: AttentionMetadata, values: torch.Tensor) -> None:
@@ -81,9 +83,8 @@ class Attention(nn.Module):
         kernels = prefill_attention_kernels(q, self.head_dim, self.head_dim)
         contexts = [self._prefill_context(p, k, v, k_cache, v_cache) for p in md.prefills]
         if kernels is not None:  # causal over each context, every chunk in one call
-            kernels.prefill_attention_batch(q, out, [c[0] for c in contexts],
-                                            [c[1] for c in contexts], md.prefill_query_start_loc,
-                                            self.scale)
+            prefill_attention_batch(kernels, q, out, contexts, md.prefill_query_start_loc,
+                                    self.scale)
             return out
         for p, (ks, vs) in zip(md.prefills, contexts):
             qs = q[p.token_start:p.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]

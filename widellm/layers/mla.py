@@ -20,7 +20,9 @@ from torch import nn
 from widellm.forward_context import get_forward_context
 from widellm.layers.attention import gather_from_cache, store_to_cache
 from widellm.layers.attention_metadata import AttentionMetadata
-from widellm.ops.cpu_attention import paged_decode_attention, prefill_attention_kernels
+from widellm.ops.cpu_attention import (
+    paged_decode_attention, prefill_attention_batch, prefill_attention_kernels,
+)
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
 
@@ -113,9 +115,8 @@ class MLAAttention(nn.Module):
             return out
         kernels = prefill_attention_kernels(q, contexts[0][0].shape[-1], self.v_head_dim)
         if kernels is not None:  # causal over each context, every chunk in one call
-            kernels.prefill_attention_batch(q, out, [c[0] for c in contexts],
-                                            [c[1] for c in contexts], md.prefill_query_start_loc,
-                                            self.scale)
+            prefill_attention_batch(kernels, q, out, contexts, md.prefill_query_start_loc,
+                                    self.scale)
             return out
         for p, (k, v) in zip(md.prefills, contexts):
             out[p.token_start:p.token_end] = self._prefill_sdpa(

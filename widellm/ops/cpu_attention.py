@@ -85,3 +85,15 @@ def prefill_attention_reference(
         v.transpose(0, 1).unsqueeze(0), attn_mask=allowed, scale=scale, enable_gqa=True,
     )
     return o.squeeze(0).transpose(0, 1)
+
+
+def prefill_attention_batch(
+    kernels, q: torch.Tensor, out: torch.Tensor,
+    contexts: list[tuple[torch.Tensor, torch.Tensor]], query_start_loc: list[int], scale: float,
+) -> None:
+    """out [T, H, Dv] rows of every prompt chunk <- causal attention of q [T, H, Dk] over its
+    context (keys [L, Hkv, Dk], values [L, Hkv, Dv]), all chunks in one call of the kernels
+    module :func:`prefill_attention_kernels` returned; chunk c owns rows
+    [query_start_loc[c], query_start_loc[c + 1])."""
+    kernels.prefill_attention_batch(q, out, [k for k, _ in contexts], [v for _, v in contexts],
+                                    query_start_loc, scale)
