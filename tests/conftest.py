@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from widellm.model.presets import resolve_preset
+from widellm.ops.cpu_kernels import load_cpu_kernels
 
 # Every architecture the engine supports, as the tiny preset that exercises it.
 TINY_MODELS = {
@@ -18,6 +19,13 @@ TINY_MODELS = {
     "DeepseekV2ForCausalLM": "preset:deepseek-v2-tiny",
     "DeepseekV3ForCausalLM": "preset:deepseek-v3-tiny",
 }
+
+
+def pytest_sessionstart(session):
+    """Build the CPU kernels once, before any test (a no-op where they are disabled or cannot
+    be built). On a fresh machine the build takes ~2.5 min on 2 cores; without this the first
+    server or engine process a test starts would compile them inside its start-up timeout."""
+    load_cpu_kernels()
 
 
 @pytest.fixture(scope="session")
