@@ -19,7 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, ReleaseGil(), "RMSNorm with Hugging Face's rounding (CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, ReleaseGil(),
         "(rms_norm(x + residual), x + residual) in one pass (CPU)");
-  m.def("rotary_embedding", &rotary_embedding, ReleaseGil(), "Rotary embedding of one [T, H, R] tensor (CPU)");
+  m.def("rotary_embedding", &rotary_embedding, ReleaseGil(),
+        "Rotary embedding of one [T, H, R] tensor (CPU)");
   m.def("mla_decode_supported", &mla_decode_supported,
         "Whether mla_decode_attention runs for (block_size, head_size, v_head_size) here");
   m.def("mla_decode_attention", &mla_decode_attention, ReleaseGil(),

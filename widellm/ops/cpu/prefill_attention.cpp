@@ -383,7 +383,6 @@ void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<tor
 
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
                        double scale) {
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && out.size(0) == q.size(0),
-              "prefill_attention: q and out must be 3-D [tokens, heads, head_size]");
-  prefill_attention_batch(q, out, {k}, {v}, {0, q.size(0)}, scale);
+  TORCH_CHECK(q.dim() == 3, "prefill_attention: q must be 3-D [tokens, heads, head_size]");
+  prefill_attention_batch(q, out, {k}, {v}, {0, q.size(0)}, scale);  // checks the rest
 }
