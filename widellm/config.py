@@ -98,14 +98,34 @@ class SchedulerConfig:
     max_model_len: int = 4096
     # Schedule step N+1 while step N runs, with placeholders for its sampled tokens.
     async_scheduling: bool = False
+    # Steps that carry prompt tokens run padded to a multiple of this many tokens (0: never).
+    # oneDNN builds a GEMM kernel for every new row count, 14-35 ms per step for SmolLM2
+    # (docs/BENCHMARKS.md); padding bounds the row counts to a set warmed at start-up.
+    prefill_pad_multiple: int = 0
 
     def __post_init__(self) -> None:
+        if self.prefill_pad_multiple < 0:
+            raise ValueError(
+                f"prefill_pad_multiple must be >= 0, got {self.prefill_pad_multiple}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+# The automatic prefill_pad_multiple: at most this many padded sizes up to the step budget
+# (the start-up warm-up builds each one's kernels), in whole AMX tiles of rows.
+PREFILL_PAD_SIZES = 64
+AMX_TILE_ROWS = 16
+
+
+def default_prefill_pad_multiple(max_num_batched_tokens: int) -> int:
+    """2,048 -> 32, 4,096 -> 64, 512 -> 16: the budget over PREFILL_PAD_SIZES, rounded up to
+    whole AMX tiles."""
+    per_size = -(-max_num_batched_tokens // PREFILL_PAD_SIZES)
+    return -(-per_size // AMX_TILE_ROWS) * AMX_TILE_ROWS
 
 
 # Dispatch/combine backends of expert-parallel MoE layers (see layers/moe/registry.py).

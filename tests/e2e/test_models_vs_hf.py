@@ -94,3 +94,25 @@ def test_preemption(case):
     assert got == expected
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     assert_pool_empty(llm)
+
+
+# Rows a prompt-carrying step is padded to a multiple of: not a power of two, so nearly every
+# such step gets 1-47 padding rows (token 0, no KV slot, no expert).
+ODD_PAD_MULTIPLE = 48
+
+
+def test_padded_prompt_steps(case):
+    arch, path, prompts, expected = case
+    llm = LLM(path, dtype="float32", num_kv_blocks=PLENTY_BLOCKS,
+              prefill_pad_multiple=ODD_PAD_MULTIPLE)
+    rows: list[int] = []
+    model = llm.llm_engine.engine_core.model_runner.model
+    model.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[0]))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    # Prompt steps (wider than the batch) are whole multiples; decode-only steps are not padded.
+    prompt_rows = [n for n in rows if n > len(prompts)]
+    assert prompt_rows and all(n % ODD_PAD_MULTIPLE == 0 for n in prompt_rows)
+    assert any(n % ODD_PAD_MULTIPLE for n in rows if n <= len(prompts))
+    assert_pool_empty(llm)

@@ -16,7 +16,7 @@ from tests.conftest import TINY_MODELS
 from widellm import LLM, SamplingParams
 from widellm.layers.linear import (
     PACKED_LINEAR_ENV, PackedLinear, pack_linear, pack_linear_weights, packed_linear_available,
-    packed_linear_enabled,
+    packed_linear_enabled, warm_packed_linears,
 )
 from widellm.model.loader import build_model, load_hf_config
 
@@ -201,3 +201,20 @@ def test_packed_model_generates_like_plain(arch, model_dir, monkeypatch):
     # Identical on the AMX machine this was written on; bf16 rounding may differ elsewhere.
     for a, b in zip(packed_lp, plain_lp):
         assert a == pytest.approx(b, abs=LOGPROB_TOL)
+
+
+@needs_onednn_bf16
+def test_warm_packed_linears_calls_one_module_per_shape():
+    """Two linears of one shape and one of another: each row count runs once per shape, on
+    the first module of that shape; plain linears are skipped."""
+    same_a, same_b, other = _packed_copy(_linear(False, 0)), _packed_copy(_linear(False, 1)), \
+        _packed_copy(_linear(True, 2))
+    plain = nn.Linear(IN_FEATURES, OUT_FEATURES)
+    seen: list[tuple[str, int]] = []
+    for name, m in (("a", same_a), ("b", same_b), ("other", other)):
+        m.register_forward_hook(lambda mod, args, out, name=name: seen.append(
+            (name, args[0].shape[0])))
+    calls = warm_packed_linears([same_a, plain, same_b, other], [16, 48])
+    assert calls == 4
+    assert seen == [("a", 16), ("other", 16), ("a", 48), ("other", 48)]
+    assert warm_packed_linears([plain], [16]) == 0

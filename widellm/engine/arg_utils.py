@@ -9,7 +9,8 @@ import re
 from dataclasses import dataclass, field, fields
 
 from widellm.config import (
-    ALL2ALL_BACKENDS, CacheConfig, EngineConfig, EPLBConfig, ModelConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig, resolve_dtype,
+    ALL2ALL_BACKENDS, CacheConfig, EngineConfig, EPLBConfig, ModelConfig, ObservabilityConfig,
+    ParallelConfig, SchedulerConfig, default_prefill_pad_multiple, resolve_dtype,
 )
 from widellm.device import on_cuda
 from widellm.model.loader import load_hf_config, resolve_model_path
@@ -41,6 +42,10 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata={"help": "context length"})
     max_num_batched_tokens: int = field(default=4096, metadata={"help": "token budget/step"})
     max_num_seqs: int = field(default=256, metadata={"help": "requests per step"})
+    prefill_pad_multiple: int | None = field(default=None, metadata={
+        "help": "pad steps with prompt tokens to a multiple of this many tokens, so oneDNN "
+                "sees few GEMM shapes, each warmed at start-up (default: on CPU the step "
+                "budget / 64 in whole 16-row tiles, off on GPU; 0: off)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_memory: str | None = field(default=None, metadata={"help": "KV cache size, e.g. 4GiB"})
     kv_cache_memory_fraction: float = field(default=0.25, metadata={
@@ -142,6 +147,9 @@ class EngineArgs:
                 async_scheduling=(
                     on_cuda() and not lockstep if self.async_scheduling is None
                     else self.async_scheduling),
+                prefill_pad_multiple=(
+                    (0 if on_cuda() else default_prefill_pad_multiple(self.max_num_batched_tokens))
+                    if self.prefill_pad_multiple is None else self.prefill_pad_multiple),
             ),
             parallel_config=ParallelConfig(
                 data_parallel_size=self.data_parallel_size,

@@ -21,13 +21,19 @@ from widellm.ops.cpu_attention import (
 
 
 def store_to_cache(cache: torch.Tensor, md: AttentionMetadata, values: torch.Tensor) -> None:
-    """cache [num_slots, ...] <- values [T, ...] at rows md.slot_mapping [T]; -1 rows (only in
-    padded batches, which carry a padding mask) skipped."""
-    slot_mapping = md.slot_mapping
-    if md.padding_mask is not None and bool((slot_mapping < 0).any()):
-        keep = slot_mapping >= 0
-        slot_mapping, values = slot_mapping[keep], values[keep]
-    cache.index_copy_(0, slot_mapping, values.to(cache.dtype))
+    """cache [num_slots, ...] <- values [T, ...] at rows md.slot_mapping [T], padding rows (the
+    last T - md.num_actual_tokens) skipped."""
+    n = md.num_tokens if md.num_actual_tokens is None else md.num_actual_tokens
+    cache.index_copy_(0, md.slot_mapping[:n], values[:n].to(cache.dtype))
+
+
+def zero_padding_rows(out: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    """out [T, ...] with the rows that are in no query (a padded step's padding) set to zero,
+    so nothing uninitialised flows on; returns out."""
+    end = md.prefill_query_start_loc[-1] if md.prefills else md.num_decodes
+    if end < out.shape[0]:
+        out[end:].zero_()
+    return out
 
 
 def gather_from_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -59,7 +65,7 @@ class Attention(nn.Module):
         v_cache = self.kv_cache[1].flatten(0, 1)
         store_to_cache(k_cache, md, k)
         store_to_cache(v_cache, md, v)
-        out = torch.empty_like(q)
+        out = zero_padding_rows(torch.empty_like(q), md)
 
         if md.num_decodes and md.decode_block_table is not None:
             d = md.num_decodes

@@ -10,6 +10,7 @@ path (``decode_slots``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,9 +47,11 @@ class AttentionMetadata:
     # [D] int64 context lengths.
     decode_block_table: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
-    # [T] bool, True for padding rows (dummy batches): MoE layers give them expert id -1.
-    # None when the batch has no padding.
+    # [T] bool, True for padding rows (dummy batches, padded prefill steps): MoE layers give
+    # them expert id -1. None when the batch has no padding.
     padding_mask: torch.Tensor | None = None
+    # Rows [num_actual_tokens, T) are padding (None: none are); their K/V is not stored.
+    num_actual_tokens: int | None = None
 
     @property
     def prefill_query_start_loc(self) -> list[int]:
@@ -130,6 +133,23 @@ def build_attention_metadata(
     )
 
 
+def pad_attention_metadata(md: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
+    """``md`` with padding rows ``[md.num_tokens, num_tokens)`` appended: no cache slot, in no
+    query (attention leaves their output rows zero), expert id -1 in MoE layers."""
+    if md.padding_mask is not None:
+        raise ValueError("pad_attention_metadata: md is padded already")
+    if num_tokens < md.num_tokens:
+        raise ValueError(f"pad_attention_metadata: {num_tokens} rows < {md.num_tokens} tokens")
+    return dataclasses.replace(
+        md,
+        num_tokens=num_tokens,
+        slot_mapping=torch.cat([md.slot_mapping, torch.full(
+            (num_tokens - md.num_tokens,), -1, dtype=torch.int64)]),
+        padding_mask=torch.arange(num_tokens) >= md.num_tokens,
+        num_actual_tokens=md.num_tokens,
+    )
+
+
 def dummy_attention_metadata(num_tokens: int = 1) -> AttentionMetadata:
     """``num_tokens`` padding tokens in one causal prefill, writing nothing to the cache. One
     token is the batch a rank without work runs so that the expert-parallel collectives of
@@ -142,4 +162,5 @@ def dummy_attention_metadata(num_tokens: int = 1) -> AttentionMetadata:
         decode_mask=None,
         prefills=[PrefillSeq(0, num_tokens, num_tokens, None, None)],
         padding_mask=torch.ones(num_tokens, dtype=torch.bool),
+        num_actual_tokens=0,
     )

@@ -23,6 +23,7 @@ unpacked.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -151,3 +152,20 @@ def pack_linear_weights(model: nn.Module, enabled: bool | None = None) -> int:
     for m in targets:
         pack_linear(m)
     return len(targets)
+
+
+def warm_packed_linears(modules: Iterable[nn.Module], row_counts: list[int]) -> int:
+    """Run one :class:`PackedLinear` of each distinct shape among ``modules`` on zeros
+    ``[rows, in_features]`` for every row count: oneDNN builds a kernel per (weight shape, row
+    count) on first use and caches it for every weight of that shape, so a request's step does
+    not pay for it.
+
+    Returns how many calls were made (0 when nothing is packed)."""
+    by_shape: dict[tuple[int, int, bool], PackedLinear] = {}
+    for m in modules:
+        if isinstance(m, PackedLinear):
+            by_shape.setdefault((m.in_features, m.out_features, m.bias is not None), m)
+    for rows in row_counts:
+        for m in by_shape.values():
+            m(torch.zeros(rows, m.in_features, dtype=torch.bfloat16))
+    return len(row_counts) * len(by_shape)

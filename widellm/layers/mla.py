@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from widellm.forward_context import get_forward_context
-from widellm.layers.attention import gather_from_cache, store_to_cache
+from widellm.layers.attention import gather_from_cache, store_to_cache, zero_padding_rows
 from widellm.layers.attention_metadata import AttentionMetadata
 from widellm.ops.cpu_attention import (
     paged_decode_attention, prefill_attention_batch, prefill_attention_kernels,
@@ -87,7 +87,7 @@ class MLAAttention(nn.Module):
         md: AttentionMetadata = get_forward_context().attn_metadata
         cache = self.kv_cache.flatten(0, 1)  # [slots, kv_lora + rope]
         store_to_cache(cache, md, torch.cat([kv_c, k_pe], dim=-1))
-        out = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+        out = zero_padding_rows(q.new_empty(q.shape[0], self.num_heads, self.v_head_dim), md)
         if md.num_decodes and md.decode_block_table is not None:
             d = md.num_decodes
             out[:d] = self._decode_in_place(q[:d], md.decode_block_table, md.decode_seq_lens)

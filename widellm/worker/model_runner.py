@@ -7,6 +7,7 @@ the batch and reports what it sampled.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -17,7 +18,10 @@ from widellm.core.scheduler_output import SchedulerOutput
 from widellm.device import on_cuda
 from widellm.forward_context import set_forward_context
 from widellm.distributed.ep_context import ExpertParallelContext
-from widellm.layers.attention_metadata import build_attention_metadata, dummy_attention_metadata
+from widellm.layers.attention_metadata import (
+    build_attention_metadata, dummy_attention_metadata, pad_attention_metadata,
+)
+from widellm.layers.linear import warm_packed_linears
 from widellm.layers.moe.layer import FusedMoE
 from widellm.model.loader import build_model
 from widellm.ops.cpu_kernels import load_cpu_kernels
@@ -85,10 +89,16 @@ class ModelRunner:
             batch.query_lens, batch.context_lens, batch.positions, batch.block_table,
             self.block_size, self.decode_in_place,
         )
+        input_ids, positions = batch.input_ids, torch.from_numpy(batch.positions)
+        num_padded = self._padded_num_tokens(md.num_tokens) if md.prefills else md.num_tokens
+        if num_padded > md.num_tokens:  # padding rows: token 0 at position 0
+            md = pad_attention_metadata(md, num_padded)
+            padding = torch.zeros(num_padded - len(input_ids), dtype=torch.int64)
+            input_ids, positions = torch.cat([input_ids, padding]), torch.cat([positions, padding])
         timer = self.step_timer
         self._before_forward()
         with maybe_phase(timer, "forward"), set_forward_context(md, timer):
-            hidden = self.model(batch.input_ids, torch.from_numpy(batch.positions))
+            hidden = self.model(input_ids, positions)
         with maybe_phase(timer, "sample"):
             return self._sample(batch, hidden)
 
@@ -140,6 +150,25 @@ class ModelRunner:
                 zeros = torch.zeros(n, dtype=torch.int64)  # token 0 at position 0
                 hidden = self.model(zeros, zeros)
             self.model.compute_logits(hidden[: min(n, self.config.scheduler_config.max_num_seqs)])
+        # Every padded size a prompt step can have, through the decoder's linears only (they
+        # are what builds a kernel per row count; the whole model at all sizes would take
+        # much longer; the LM head only sees sampled rows).
+        sc = self.config.scheduler_config
+        pad = sc.prefill_pad_multiple
+        if pad:
+            start = time.perf_counter()
+            top = self._padded_num_tokens(sc.max_num_batched_tokens)
+            lm_head = getattr(self.model, "lm_head", None)
+            decoder = [m for m in self.model.modules() if m is not lm_head]
+            calls = warm_packed_linears(decoder, list(range(pad, top + 1, pad)))
+            if calls:
+                logger.info("Warmed %d packed-linear shapes in %.1f s", calls,
+                            time.perf_counter() - start)
+
+    def _padded_num_tokens(self, num_tokens: int) -> int:
+        """A prompt-carrying step's row count after padding (see prefill_pad_multiple)."""
+        pad = self.config.scheduler_config.prefill_pad_multiple
+        return -(-num_tokens // pad) * pad if pad else num_tokens
 
     def _before_forward(self) -> None:
         """Per-forward work every EP rank does at the same step (EPLB weight moves)."""
