@@ -123,7 +123,8 @@ def test_layers_dispatch_by_dtype(kernels):
     assert torch.equal(silu_and_mul(x16), kernels.silu_and_mul(x16.view(-1, 16)).view(4, 2, 8))
 
 
-@pytest.mark.parametrize("rotary_dim", [16, 72])  # halves below and past one 16-lane vector
+@pytest.mark.parametrize("rotary_dim", [16, 64, 72])  # halves: below one 16-lane vector,
+# whole vectors (the one-pass bf16 path), past one vector
 @pytest.mark.parametrize("style", ["neox", "interleaved"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rotary_kernel(kernels, style, dtype, rotary_dim):

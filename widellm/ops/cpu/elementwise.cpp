@@ -36,6 +36,11 @@ void silu_and_mul_kernel(const torch::Tensor& x, torch::Tensor& out) {
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
   at::parallel_for(0, rows, rows_per_task(2 * inter), [&](int64_t begin, int64_t end) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      for (int64_t r = begin; r < end; ++r)
+        silu_mul_row_bf16(xp + r * xs, xp + r * xs + inter, op + r * os, inter);
+      return;
+    }
     std::vector<float> g(inter), u(inter);
     for (int64_t r = begin; r < end; ++r) {
       row_to_float(xp + r * xs, g.data(), inter);
@@ -74,6 +79,31 @@ inline void rms_norm_row(float* h, const float* wf, int64_t hidden, float eps, T
   row_from_float(h, out, hidden);
 }
 
+#if defined(__AVX512F__)
+// rms_norm_row's result (and the residual add of rms_norm_kernel) for a bf16 row whose width is
+// a multiple of 16, in two passes over registers instead of ten over fp32 copies: the same
+// roundings and the same order of the sum of squares, so the same bits. h: [hidden] scratch.
+inline void rms_norm_row_bf16(const at::BFloat16* x, const at::BFloat16* res, const float* wf,
+                              int64_t hidden, float eps, float* h, at::BFloat16* res_out,
+                              at::BFloat16* out) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < hidden; i += 16) {
+    __m512 v = load_bf16(x + i);
+    if (res != nullptr) {
+      v = round_to_bf16(_mm512_add_ps(v, load_bf16(res + i)));
+      store_bf16(res_out + i, v);
+    }
+    _mm512_storeu_ps(h + i, v);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / hidden + eps));
+  for (int64_t i = 0; i < hidden; i += 16) {
+    const __m512 normed = round_to_bf16(_mm512_mul_ps(_mm512_loadu_ps(h + i), inv));
+    store_bf16(out + i, _mm512_mul_ps(normed, _mm512_loadu_ps(wf + i)));
+  }
+}
+#endif
+
 // out <- rms_norm(x) or, with a residual, res_out <- T(x + residual) and out <- rms_norm(res_out):
 // the residual add and the norm in one pass over the row.
 template <typename T>
@@ -90,6 +120,17 @@ void rms_norm_kernel(const torch::Tensor& x, const torch::Tensor* residual, cons
   row_to_float(w.data_ptr<T>(), wf.data(), hidden);
   at::parallel_for(0, rows, rows_per_task(hidden), [&](int64_t begin, int64_t end) {
     std::vector<float> h(hidden), r(hidden);
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (hidden % 16 == 0) {
+        for (int64_t row = begin; row < end; ++row)
+          rms_norm_row_bf16(xp + row * xs, rp ? rp + row * rs : nullptr, wf.data(), hidden,
+                            static_cast<float>(eps), h.data(), rop ? rop + row * ros : nullptr,
+                            op + row * os);
+        return;
+      }
+    }
+#endif
     std::vector<T> rounded(hidden);
     for (int64_t row = begin; row < end; ++row) {
       row_to_float(xp + row * xs, h.data(), hidden);
@@ -227,6 +268,24 @@ inline void rotate_half(float* buf, const float* cr, const float* sr, int64_t ha
   }
 }
 
+#if defined(__AVX512F__)
+// rotate_half of one bf16 head row (neox halves, half a multiple of 16) from src straight to
+// dst: the same products, roundings and sums, without the fp32 copy of the row.
+inline void rotate_half_row_bf16(const at::BFloat16* src, const float* cr, const float* sr,
+                                 int64_t half, at::BFloat16* dst) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const int64_t j = half + i;
+    const __m512 x1 = load_bf16(src + i), x2 = load_bf16(src + j);
+    store_bf16(dst + i, _mm512_add_ps(
+        round_to_bf16(_mm512_mul_ps(x1, _mm512_loadu_ps(cr + i))),
+        round_to_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2),
+                                    _mm512_loadu_ps(sr + i)))));
+    store_bf16(dst + j, _mm512_add_ps(round_to_bf16(_mm512_mul_ps(x2, _mm512_loadu_ps(cr + j))),
+                                      round_to_bf16(_mm512_mul_ps(x1, _mm512_loadu_ps(sr + j)))));
+  }
+}
+#endif
+
 template <typename T>
 void rotary_kernel(const torch::Tensor& positions, const torch::Tensor& x,
                    const torch::Tensor& cos, const torch::Tensor& sin, bool interleaved,
@@ -246,6 +305,14 @@ void rotary_kernel(const torch::Tensor& positions, const torch::Tensor& x,
       round_row<T>(sp + pos[t] * R, sr.data(), R);
       for (int64_t h = 0; h < heads; ++h) {
         const T* row = xp + t * xs0 + h * xs1;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          if (!interleaved && half % 16 == 0) {
+            rotate_half_row_bf16(row, cr.data(), sr.data(), half, op + (t * heads + h) * R);
+            continue;
+          }
+        }
+#endif
         if (interleaved) {  // pairs (2i, 2i+1) become (i, half + i), as the reference does
           row_to_float(row, raw.data(), R);
           for (int64_t i = 0; i < half; ++i) {

@@ -89,15 +89,26 @@ inline void row_to_float(const T* src, float* dst, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// bf16 is the top half of an fp32: widen 16 of them at a time.
+// 16 bf16 widened to fp32 (bf16 is the top half of an fp32).
+inline __m512 load_bf16(const at::BFloat16* src) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 fp32 rounded to bf16 (to nearest even, as torch's casts; NaN stays NaN) and stored.
+inline void store_bf16(at::BFloat16* dst, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  h = _mm256_mask_mov_epi16(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm256_set1_epi16(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), h);
+}
+
 template <>
 inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(w));
-  }
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_bf16(src + i));
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
 #endif
@@ -138,18 +149,8 @@ inline void row_from_float(const float* src, T* dst, int64_t n) {
 #if defined(__AVX512F__)
 template <>
 inline void row_from_float<at::BFloat16>(const float* src, at::BFloat16* dst, int64_t n) {
-  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7FFF);
-  const __m256i nan = _mm256_set1_epi16(0x7FC0);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(src + i);
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, bias));
-    __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-    h = _mm256_mask_mov_epi16(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
-  }
+  for (; i + 16 <= n; i += 16) store_bf16(dst + i, _mm512_loadu_ps(src + i));
   for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
 }
 #endif
@@ -211,6 +212,23 @@ inline void interleave_pairs(__m512i a, __m512i b, __m512i& lo, __m512i& hi) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// silu(x) = x / (1 + e^-x) of 16 lanes, rounded to T as torch stores F.silu's result. For bf16
+// the division is a reciprocal estimate and one Newton step (within an fp32 ulp or two, and
+// the result is rounded to bf16's 8 bits anyway): a 512-bit divide costs as much as the exp.
+template <typename T>
+inline __m512 silu16(__m512 x) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    __m512 r = _mm512_rcp14_ps(d);
+    r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+    return round_to_bf16(_mm512_mul_ps(x, r));
+  }
+  return _mm512_div_ps(x, d);
+}
+#endif
+
 // g[:n] <- silu(g[:n]) * u[:n], rounded as torch rounds F.silu(g) * u in T: silu's result is
 // stored as T before the product.
 template <typename T>
@@ -218,17 +236,29 @@ inline void silu_mul_inplace(float* g, const float* u, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, float>) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= n; i += 16) {
-      const __m512 x = _mm512_loadu_ps(g + i);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-      __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
-      if constexpr (std::is_same_v<T, at::BFloat16>) silu = round_to_bf16(silu);
-      _mm512_storeu_ps(g + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
-    }
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(g + i, _mm512_mul_ps(silu16<T>(_mm512_loadu_ps(g + i)),
+                                            _mm512_loadu_ps(u + i)));
   }
 #endif
   for (; i < n; ++i) g[i] = round_to<T>(g[i] / (1.f + std::exp(-g[i]))) * u[i];
+}
+
+// out[:n] <- silu(g[:n]) * u[:n] for bf16 rows: silu_mul_inplace's result, rounded to bf16,
+// in one pass from and to bf16 (no fp32 copies of the rows).
+inline void silu_mul_row_bf16(const at::BFloat16* g, const at::BFloat16* u, at::BFloat16* out,
+                              int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    store_bf16(out + i, _mm512_mul_ps(silu16<at::BFloat16>(load_bf16(g + i)), load_bf16(u + i)));
+#endif
+  for (; i < n; ++i) {
+    float gi = to_float(g[i]);
+    const float ui = to_float(u[i]);
+    silu_mul_inplace<at::BFloat16>(&gi, &ui, 1);
+    out[i] = static_cast<at::BFloat16>(gi);
+  }
 }
 
 // s[:n] <- softmax(s[:n]), n >= 1.
