@@ -100,7 +100,8 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # Steps that carry prompt tokens run padded to a multiple of this many tokens (0: never).
     # oneDNN builds a GEMM kernel for every new row count, 14-35 ms per step for SmolLM2
-    # (docs/BENCHMARKS.md); padding bounds the row counts to a set warmed at start-up.
+    # (docs/BENCHMARKS.md); padding bounds the row counts to a set that a server warms while
+    # idle (ModelRunner.warm_next_size).
     prefill_pad_multiple: int = 0
 
     def __post_init__(self) -> None:
@@ -116,7 +117,7 @@ class SchedulerConfig:
 
 
 # The automatic prefill_pad_multiple: at most this many padded sizes up to the step budget
-# (the start-up warm-up builds each one's kernels), in whole AMX tiles of rows.
+# (the idle warm-up builds each one's kernels), in whole AMX tiles of rows.
 PREFILL_PAD_SIZES = 64
 AMX_TILE_ROWS = 16
 

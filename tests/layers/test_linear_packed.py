@@ -218,3 +218,28 @@ def test_warm_packed_linears_calls_one_module_per_shape():
     assert calls == 4
     assert seen == [("a", 16), ("other", 16), ("a", 48), ("other", 48)]
     assert warm_packed_linears([plain], [16]) == 0
+
+
+@needs_onednn_bf16
+def test_runner_warms_each_padded_prompt_size_once(model_dir):
+    """The serving loop's idle warm-up: every padded prompt-step size up to the padded budget,
+    smallest first, through one decoder linear of each shape and never the LM head."""
+    llm = LLM(model_dir("LlamaForCausalLM"), dtype="bfloat16", num_kv_blocks=64,
+              max_model_len=256, max_num_batched_tokens=100, prefill_pad_multiple=32)
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.sizes_to_warm == [32, 64, 96, 128]
+    model = runner.model
+    calls: dict[tuple[int, int], list[int]] = {}
+    head_calls: list[int] = []
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and m is not model.lm_head:
+            m.register_forward_hook(lambda mod, args, out: calls.setdefault(
+                (mod.in_features, mod.out_features), []).append(args[0].shape[0]))
+    model.lm_head.register_forward_hook(lambda mod, args, out: head_calls.append(1))
+    while runner.sizes_to_warm:
+        runner.warm_next_size()
+    runner.warm_next_size()  # nothing left: a no-op
+    shapes = {(m.in_features, m.out_features) for m in model.modules()
+              if isinstance(m, PackedLinear) and m is not model.lm_head}
+    assert set(calls) == shapes and not head_calls
+    assert all(rows == [32, 64, 96, 128] for rows in calls.values())

@@ -44,8 +44,8 @@ class EngineArgs:
     max_num_seqs: int = field(default=256, metadata={"help": "requests per step"})
     prefill_pad_multiple: int | None = field(default=None, metadata={
         "help": "pad steps with prompt tokens to a multiple of this many tokens, so oneDNN "
-                "sees few GEMM shapes, each warmed at start-up (default: on CPU the step "
-                "budget / 64 in whole 16-row tiles, off on GPU; 0: off)"})
+                "sees few GEMM shapes, which a server warms while idle (default: on CPU the "
+                "step budget / 64 in whole 16-row tiles, off on GPU; 0: off)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_memory: str | None = field(default=None, metadata={"help": "KV cache size, e.g. 4GiB"})
     kv_cache_memory_fraction: float = field(default=0.25, metadata={

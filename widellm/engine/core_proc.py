@@ -157,13 +157,15 @@ class _CoreLoop:
         self.core.shutdown()
 
     def _run_independent(self) -> None:
-        core = self.core
+        core, runner = self.core, self.core.model_runner
         while True:
-            self._drain(0 if core.has_unfinished_requests() else IDLE_POLL_MS)
+            busy = core.has_unfinished_requests() or runner.sizes_to_warm
+            self._drain(0 if busy else IDLE_POLL_MS)
             if self.shutdown_requested:
                 return
             if not core.has_unfinished_requests():
                 self._send_stats_if_dirty()
+                runner.warm_next_size()  # idle: build one more batch shape's kernels
                 continue
             self._step()
 
@@ -180,6 +182,7 @@ class _CoreLoop:
             in_wave = state.any_has_work
             if not in_wave:
                 self._send_stats_if_dirty()
+                core.model_runner.warm_next_size()  # local work only, no collective
             elif core.has_unfinished_requests():
                 self._step()
             else:

@@ -7,7 +7,6 @@ the batch and reports what it sampled.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import torch
@@ -62,6 +61,8 @@ class ModelRunner:
             and load_cpu_kernels() is not None
         )
         self.step_timer = step_timer
+        # Padded prompt-step sizes whose kernels are not built yet (see warm_next_size).
+        self.sizes_to_warm: list[int] = []
         self.eplb: EplbController | None = None
         if ep is not None and ep.enable_eplb:
             pc = config.parallel_config
@@ -150,20 +151,25 @@ class ModelRunner:
                 zeros = torch.zeros(n, dtype=torch.int64)  # token 0 at position 0
                 hidden = self.model(zeros, zeros)
             self.model.compute_logits(hidden[: min(n, self.config.scheduler_config.max_num_seqs)])
-        # Every padded size a prompt step can have, through the decoder's linears only (they
-        # are what builds a kernel per row count; the whole model at all sizes would take
-        # much longer; the LM head only sees sampled rows).
+        # Every padded size a prompt step can have is left to warm_next_size.
         sc = self.config.scheduler_config
         pad = sc.prefill_pad_multiple
-        if pad:
-            start = time.perf_counter()
-            top = self._padded_num_tokens(sc.max_num_batched_tokens)
-            lm_head = getattr(self.model, "lm_head", None)
-            decoder = [m for m in self.model.modules() if m is not lm_head]
-            calls = warm_packed_linears(decoder, list(range(pad, top + 1, pad)))
-            if calls:
-                logger.info("Warmed %d packed-linear shapes in %.1f s", calls,
-                            time.perf_counter() - start)
+        top = self._padded_num_tokens(sc.max_num_batched_tokens)
+        self.sizes_to_warm = list(range(pad, top + 1, pad)) if pad else []
+
+    @torch.inference_mode()
+    def warm_next_size(self) -> None:
+        """Warm the next padded prompt-step size (tens of ms): the decoder's packed linears
+        only, which are what builds a kernel per row count (the LM head only sees sampled
+        rows). The serving loop calls it while idle, so a fresh server's first prompts do not
+        pay for it and start-up does not wait for all sizes (~3 s for SmolLM2)."""
+        if not self.sizes_to_warm:
+            return
+        rows = self.sizes_to_warm.pop(0)
+        lm_head = getattr(self.model, "lm_head", None)
+        warm_packed_linears((m for m in self.model.modules() if m is not lm_head), [rows])
+        if not self.sizes_to_warm:
+            logger.debug("Warmed the packed linears at every padded prompt-step size")
 
     def _padded_num_tokens(self, num_tokens: int) -> int:
         """A prompt-carrying step's row count after padding (see prefill_pad_multiple)."""
