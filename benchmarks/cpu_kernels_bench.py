@@ -47,12 +47,15 @@ def best_ms(fns: dict, iters: int, repeats: int) -> dict[str, float]:
     return best
 
 
-def parse_bench_args(doc: str) -> argparse.Namespace:
-    """--iters, --repeats and --output-json, shared by the kernel microbenchmarks."""
+def parse_bench_args(doc: str, extra=None) -> argparse.Namespace:
+    """--iters, --repeats and --output-json, shared by the kernel microbenchmarks; ``extra``
+    (a function of the parser) adds a script's own flags."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output-json", default=None)
+    if extra is not None:
+        extra(p)
     return p.parse_args()
 
 
