@@ -98,7 +98,8 @@ class SchedulerConfig:
     max_model_len: int = 4096
     # Schedule step N+1 while step N runs, with placeholders for its sampled tokens.
     async_scheduling: bool = False
-    # Steps that carry prompt tokens run padded to a multiple of this many tokens (0: never).
+    # Steps that carry prompt tokens run padded to a multiple of this many tokens, capped at
+    # max_num_batched_tokens (0: never).
     # oneDNN builds a GEMM kernel for every new row count, 14-35 ms per step for SmolLM2
     # (docs/BENCHMARKS.md); padding bounds the row counts to a set that a server warms while
     # idle (ModelRunner.warm_next_size).

@@ -222,12 +222,15 @@ def test_warm_packed_linears_calls_one_module_per_shape():
 
 @needs_onednn_bf16
 def test_runner_warms_each_padded_prompt_size_once(model_dir):
-    """The serving loop's idle warm-up: every padded prompt-step size up to the padded budget,
-    smallest first, through one decoder linear of each shape and never the LM head."""
+    """The serving loop's idle warm-up: every padded prompt-step size below the budget (which
+    start-up ran), smallest first, through one decoder linear of each shape and never the LM
+    head. Padding never goes past the budget."""
     llm = LLM(model_dir("LlamaForCausalLM"), dtype="bfloat16", num_kv_blocks=64,
               max_model_len=256, max_num_batched_tokens=100, prefill_pad_multiple=32)
     runner = llm.llm_engine.engine_core.model_runner
-    assert runner.sizes_to_warm == [32, 64, 96, 128]
+    assert runner.sizes_to_warm == [32, 64, 96]
+    assert [runner._padded_num_tokens(n) for n in (1, 32, 33, 96, 97, 100)] == \
+        [32, 32, 64, 96, 100, 100]
     model = runner.model
     calls: dict[tuple[int, int], list[int]] = {}
     head_calls: list[int] = []
@@ -242,4 +245,4 @@ def test_runner_warms_each_padded_prompt_size_once(model_dir):
     shapes = {(m.in_features, m.out_features) for m in model.modules()
               if isinstance(m, PackedLinear) and m is not model.lm_head}
     assert set(calls) == shapes and not head_calls
-    assert all(rows == [32, 64, 96, 128] for rows in calls.values())
+    assert all(rows == [32, 64, 96] for rows in calls.values())

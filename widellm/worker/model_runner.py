@@ -151,11 +151,11 @@ class ModelRunner:
                 zeros = torch.zeros(n, dtype=torch.int64)  # token 0 at position 0
                 hidden = self.model(zeros, zeros)
             self.model.compute_logits(hidden[: min(n, self.config.scheduler_config.max_num_seqs)])
-        # Every padded size a prompt step can have is left to warm_next_size.
-        sc = self.config.scheduler_config
-        pad = sc.prefill_pad_multiple
-        top = self._padded_num_tokens(sc.max_num_batched_tokens)
-        self.sizes_to_warm = list(range(pad, top + 1, pad)) if pad else []
+        # Every padded size a prompt step can have (the multiples below the budget; the budget
+        # itself ran above) is left to warm_next_size.
+        pad = self.config.scheduler_config.prefill_pad_multiple
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        self.sizes_to_warm = list(range(pad, budget, pad)) if pad else []
 
     @torch.inference_mode()
     def warm_next_size(self) -> None:
@@ -172,9 +172,14 @@ class ModelRunner:
             logger.debug("Warmed the packed linears at every padded prompt-step size")
 
     def _padded_num_tokens(self, num_tokens: int) -> int:
-        """A prompt-carrying step's row count after padding (see prefill_pad_multiple)."""
-        pad = self.config.scheduler_config.prefill_pad_multiple
-        return -(-num_tokens // pad) * pad if pad else num_tokens
+        """A prompt-carrying step's row count after padding (see prefill_pad_multiple): the
+        next multiple, but never past the step budget (expert-parallel buffers are sized for
+        it; the budget's own size is warmed at start-up)."""
+        sc = self.config.scheduler_config
+        pad = sc.prefill_pad_multiple
+        if not pad:
+            return num_tokens
+        return min(-(-num_tokens // pad) * pad, max(num_tokens, sc.max_num_batched_tokens))
 
     def _before_forward(self) -> None:
         """Per-forward work every EP rank does at the same step (EPLB weight moves)."""
