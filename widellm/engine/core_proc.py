@@ -41,6 +41,7 @@ from widellm.device import on_cuda
 from widellm.distributed.groups import DPGroups, destroy_dp_groups, init_dp_groups
 from widellm.distributed.lockstep import DPLockstep
 from widellm.engine.engine_core import EngineCore, EngineCoreRequest
+from widellm.gc_heap import freeze_startup_heap
 from widellm.step_timer import maybe_phase
 from widellm.worker.memory import peak_rss_bytes
 
@@ -119,6 +120,7 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int) -> 
             groups = init_dp_groups(dp_rank, pc.data_parallel_size, reply.store_host,
                                     reply.store_port, pc.distributed_timeout_s)
         core = EngineCore(config, groups)
+        freeze_startup_heap(f"engine core {dp_rank}")
         out.send(encoder.encode(ReadyMessage(
             dp_rank, core.scheduler.kv_cache_manager.block_pool.num_blocks, os.getpid())))
         _CoreLoop(core, inp, out, encoder, dp_rank, groups).run()

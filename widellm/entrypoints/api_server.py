@@ -39,6 +39,7 @@ from widellm.entrypoints.protocol import (
 from widellm.entrypoints.serving_chat import OpenAIServingChat
 from widellm.entrypoints.serving_completion import OpenAIServingCompletion
 from widellm.entrypoints.serving_tokenization import OpenAIServingTokenization
+from widellm.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +221,7 @@ def run_server(args: argparse.Namespace) -> None:
             finally:
                 engine.shutdown()
 
+        freeze_startup_heap("API server")
         try:
             asyncio.run(main())
         except KeyboardInterrupt:
