@@ -26,6 +26,7 @@ from widellm.bench.serve import (
     chunk_text,
     main,
     parse_sse_data,
+    wait_until_ready,
 )
 
 MODEL_NAME = "fake-model"
@@ -36,6 +37,8 @@ FIRST_DELAY_S = 0.05
 CHUNK_DELAY_S = 0.02
 SERVER_START_TIMEOUT_S = 10.0
 POLL_S = 0.01
+# How long the late server of the ready-check test stays unreachable.
+LATE_START_S = 1.0
 
 
 def make_app(
@@ -113,9 +116,10 @@ def _bound_socket() -> socket.socket:
 
 
 @contextmanager
-def serve_app(app: FastAPI):
-    """Run ``app`` in a background thread; yield its base URL; always stop the thread."""
-    sock = _bound_socket()
+def serve_app(app: FastAPI, sock: socket.socket | None = None):
+    """Run ``app`` in a background thread (on ``sock`` if given); yield its base URL; always
+    stop the thread."""
+    sock = sock or _bound_socket()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -192,8 +196,11 @@ def test_main_measures_streamed_requests_and_writes_json(fake_server, tmp_path):
         assert rec["latency"] >= min_e2e
         assert rec["output_tokens"] == NUM_CHUNKS * TOKENS_PER_CHUNK
     assert result["mean_ttft_ms"] >= FIRST_DELAY_S * 1000
-    assert sorted(p["prompt"] for p in app.state.payloads) == sorted(
-        random_token_prompts(num_prompts, input_len, vocab, seed=3))
+    assert result["num_warmups"] == 0
+    # First the untimed test prompt, drawn after the timed ones; then the timed prompts.
+    prompts = random_token_prompts(num_prompts + 1, input_len, vocab, seed=3)
+    assert app.state.payloads[0]["prompt"] == prompts[-1]
+    assert sorted(p["prompt"] for p in app.state.payloads[1:]) == sorted(prompts[:-1])
     first = app.state.payloads[0]
     assert first["model"] == MODEL_NAME
     assert first["max_tokens"] == first["min_tokens"] == NUM_CHUNKS * TOKENS_PER_CHUNK
@@ -205,7 +212,7 @@ def test_failed_requests_are_counted_not_raised(fake_server):
     app = make_app(fail_every=2)
     result = main(_args("--base-url", fake_server(app), "--model", MODEL_NAME,
                         "--vocab-size", "500", "--num-prompts", "6", "--input-len", "4",
-                        "--output-len", "3"))
+                        "--output-len", "3", "--ready-check-timeout-sec", "0"))
     assert (result["completed"], result["failed"]) == (3, 3)
     failed = [r for r in result["requests"] if not r["success"]]
     assert all(r["error"].startswith("HTTP 400") for r in failed)
@@ -217,7 +224,7 @@ def test_error_event_inside_the_stream_fails_the_request(fake_server):
     app = make_app(error_mid_stream=True)
     result = main(_args("--base-url", fake_server(app), "--model", MODEL_NAME,
                         "--vocab-size", "500", "--num-prompts", "2", "--input-len", "4",
-                        "--output-len", "3"))
+                        "--output-len", "3", "--ready-check-timeout-sec", "0"))
     assert (result["completed"], result["failed"]) == (0, 2)
     assert all("engine died" in r["error"] for r in result["requests"])
 
@@ -227,11 +234,82 @@ def test_unreachable_server_fails_every_request():
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
         result = main(_args("--base-url", url, "--model", MODEL_NAME, "--vocab-size", "500",
-                            "--num-prompts", "2", "--input-len", "4", "--output-len", "2"))
+                            "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
+                            "--ready-check-timeout-sec", "0"))
     finally:
         sock.close()
     assert (result["completed"], result["failed"]) == (0, 2)
     assert all(r["error"].startswith("ConnectError") for r in result["requests"])
+
+
+def test_ready_check_waits_for_a_server_that_starts_late():
+    app = make_app()
+    sock = _bound_socket()  # refuses connections until uvicorn listens on it
+    settings = RequestSettings(api_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions",
+                               model=MODEL_NAME, output_len=NUM_CHUNKS)
+    stop = threading.Event()
+
+    def start_late() -> None:
+        time.sleep(LATE_START_S)
+        with serve_app(app, sock):
+            stop.wait()
+
+    thread = threading.Thread(target=start_late, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    try:
+        record = asyncio.run(wait_until_ready(settings, SampleRequest([7, 8], 2), timeout_s=30))
+    finally:
+        stop.set()
+        thread.join(SERVER_START_TIMEOUT_S)
+    assert not thread.is_alive()
+    assert record.success and record.output_tokens == NUM_CHUNKS * TOKENS_PER_CHUNK
+    assert time.monotonic() - start >= LATE_START_S
+    assert [p["prompt"] for p in app.state.payloads] == [[7, 8]]
+
+
+def test_ready_check_gives_up_on_a_server_that_never_listens():
+    sock = _bound_socket()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="initial test request .* ConnectError"):
+            main(_args("--base-url", url, "--model", MODEL_NAME, "--vocab-size", "500",
+                       "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
+                       "--ready-check-timeout-sec", "2"))
+    finally:
+        sock.close()
+    assert time.monotonic() - start < SERVER_START_TIMEOUT_S
+
+
+def test_ready_check_fails_at_once_when_the_server_rejects_the_request(fake_server):
+    app = make_app(fail_every=1)
+    with pytest.raises(RuntimeError, match="HTTP 400: .*bad request"):
+        main(_args("--base-url", fake_server(app), "--model", MODEL_NAME, "--vocab-size",
+                   "500", "--num-prompts", "3", "--input-len", "4", "--output-len", "2"))
+    assert app.state.num_received == 1  # no retry, no timed request
+
+
+def test_warmups_are_untimed_and_use_their_own_prompts(fake_server):
+    app = make_app()
+    num_prompts, num_warmups, input_len, vocab = 3, 4, 5, 700
+    result = main(_args("--base-url", fake_server(app), "--model", MODEL_NAME, "--vocab-size",
+                        str(vocab), "--num-prompts", str(num_prompts), "--input-len",
+                        str(input_len), "--output-len", "2", "--num-warmups", str(num_warmups),
+                        "--max-concurrency", "2", "--seed", "5"))
+    assert result["num_warmups"] == num_warmups
+    assert (result["completed"], len(result["requests"])) == (num_prompts, num_prompts)
+    prompts = random_token_prompts(num_prompts + 1 + num_warmups, input_len, vocab, seed=5)
+    sent = [p["prompt"] for p in app.state.payloads]
+    assert sent[0] == prompts[num_prompts]  # the test prompt
+    assert sorted(sent[1:1 + num_warmups]) == sorted(prompts[num_prompts + 1:])
+    assert sorted(sent[1 + num_warmups:]) == sorted(prompts[:num_prompts])
+    assert app.state.max_in_flight == 2
+
+
+def test_negative_warmups_are_rejected():
+    with pytest.raises(ValueError, match="--num-warmups"):
+        main(_args("--model", MODEL_NAME, "--vocab-size", "500", "--num-warmups", "-1"))
 
 
 def test_chat_without_usage_counts_chunks_and_honours_max_concurrency(fake_server):

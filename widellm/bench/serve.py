@@ -6,6 +6,12 @@ inter-token gaps and end-to-end latency are measured per request, then summarise
 :mod:`widellm.bench.serve_metrics`. Prompts are random token ids (the same list on every
 engine); ``ignore_eos`` plus ``min_tokens`` make every engine generate exactly
 ``--output-len`` tokens. A failed request is recorded, never raised.
+
+As in ``vllm bench serve``, one prompt is sent alone before the timed run (retried while
+the server is not yet listening) so that a misconfigured run stops early and no engine's
+first-request costs land in the timings; ``--num-warmups`` adds untimed requests at the
+run's concurrency. Their prompts are drawn after the timed ones, so they never give a timed
+prompt a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ SSE_DATA_PREFIX = "data:"
 SSE_DONE = "[DONE]"
 # Longest server error body kept in a record, so one bad reply cannot bloat the JSON.
 MAX_ERROR_CHARS = 500
+DEFAULT_READY_CHECK_TIMEOUT_S = 600.0
+READY_POLL_S = 1.0
+# How send_request reports a server that does not listen yet (httpx exception names): the
+# only failures the ready check waits out; any other means the run is misconfigured.
+NOT_LISTENING_ERRORS = ("ConnectError", "ConnectTimeout")
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help=f"bearer token (default: ${API_KEY_ENV})")
     parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
                         help="seconds before one request is abandoned")
+    parser.add_argument("--ready-check-timeout-sec", type=float,
+                        default=DEFAULT_READY_CHECK_TIMEOUT_S,
+                        help="send one untimed prompt first, retrying while the server does "
+                             "not listen, for at most this long (0: skip the check)")
+    parser.add_argument("--num-warmups", type=int, default=0,
+                        help="untimed requests sent at --max-concurrency before the run")
     parser.add_argument("--output-json", type=str, default=None,
                         help="write the summary and every request's record here")
     parser.add_argument("--disable-tqdm", action="store_true")
@@ -251,6 +268,26 @@ async def benchmark(
     return list(records), duration
 
 
+async def wait_until_ready(
+    settings: RequestSettings, sample: SampleRequest, timeout_s: float,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+) -> RequestRecord:
+    """Send ``sample`` alone until it succeeds; return its record. Retries only while the
+    server does not listen, for at most ``timeout_s``; any other failure (an HTTP error, a
+    stream error) raises at once with the server's reason."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout)) as client:
+        while True:
+            record = await send_request(client, settings, sample)
+            if record.success:
+                return record
+            waiting = record.error.startswith(NOT_LISTENING_ERRORS)
+            if not waiting or time.monotonic() + READY_POLL_S > deadline:
+                raise RuntimeError(f"the initial test request to {settings.api_url} failed: "
+                                   f"{record.error}")
+            await asyncio.sleep(READY_POLL_S)
+
+
 def fetch_first_model(base_url: str, api_key: str | None, timeout: float) -> str:
     """The id of the first model the server lists."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -263,8 +300,12 @@ def fetch_first_model(base_url: str, api_key: str | None, timeout: float) -> str
     return models[0]["id"]
 
 
-def build_samples(args: argparse.Namespace, is_chat: bool) -> list[SampleRequest]:
-    """Random token-id prompts; decoded to text for chat, which needs a tokenizer."""
+def build_samples(
+    args: argparse.Namespace, is_chat: bool, num_untimed: int = 0
+) -> list[SampleRequest]:
+    """``--num-prompts`` random token-id prompts, then ``num_untimed`` more drawn after them
+    from the same seed (so the timed ones do not change); decoded to text for chat, which
+    needs a tokenizer."""
     tokenizer_path = args.tokenizer
     if tokenizer_path is None and args.model and os.path.exists(args.model):
         tokenizer_path = args.model
@@ -277,7 +318,8 @@ def build_samples(args: argparse.Namespace, is_chat: bool) -> list[SampleRequest
 
         tokenizer = get_tokenizer(tokenizer_path)
     vocab_size = args.vocab_size if args.vocab_size is not None else len(tokenizer)
-    ids = random_token_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    ids = random_token_prompts(args.num_prompts + num_untimed, args.input_len, vocab_size,
+                               args.seed)
     if is_chat:
         return [SampleRequest(tokenizer.decode(p), args.input_len) for p in ids]
     return [SampleRequest(p, args.input_len) for p in ids]
@@ -287,11 +329,16 @@ def _validate(args: argparse.Namespace) -> None:
     positive = {"--num-prompts": args.num_prompts, "--input-len": args.input_len,
                 "--output-len": args.output_len, "--request-rate": args.request_rate,
                 "--request-timeout": args.request_timeout}
+    at_least_zero = {"--ready-check-timeout-sec": args.ready_check_timeout_sec,
+                     "--num-warmups": args.num_warmups}
     if args.max_concurrency is not None:
         positive["--max-concurrency"] = args.max_concurrency
     for flag, value in positive.items():
         if not value > 0:
             raise ValueError(f"{flag} must be positive, got {value}")
+    for flag, value in at_least_zero.items():
+        if not value >= 0:
+            raise ValueError(f"{flag} must be at least 0, got {value}")
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -303,7 +350,17 @@ def main(args: argparse.Namespace) -> dict:
         api_url=args.base_url.rstrip("/") + args.endpoint, model=model,
         output_len=args.output_len, temperature=args.temperature, api_key=args.api_key,
     )
-    samples = build_samples(args, settings.is_chat)
+    samples = build_samples(args, settings.is_chat, num_untimed=1 + args.num_warmups)
+    samples, test_sample, warmups = (samples[:args.num_prompts], samples[args.num_prompts],
+                                     samples[args.num_prompts + 1:])
+    if args.ready_check_timeout_sec > 0:
+        print(f"Sending one test prompt to {settings.api_url} ...")
+        asyncio.run(wait_until_ready(settings, test_sample, args.ready_check_timeout_sec,
+                                     args.request_timeout))
+    if warmups:
+        print(f"Warming up with {len(warmups)} requests ...")
+        asyncio.run(benchmark(settings, warmups, max_concurrency=args.max_concurrency,
+                              request_timeout=args.request_timeout))
     print(f"Benchmarking {settings.api_url} (model {model}): {len(samples)} prompts, "
           f"request rate {args.request_rate}, max concurrency {args.max_concurrency}")
     records, duration = asyncio.run(benchmark(
@@ -329,6 +386,7 @@ def main(args: argparse.Namespace) -> dict:
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "max_concurrency": args.max_concurrency,
         "seed": args.seed,
+        "num_warmups": args.num_warmups,
         **metrics_to_dict(metrics),
         "requests": [asdict(r) for r in records],
     }
