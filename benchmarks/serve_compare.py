@@ -7,6 +7,11 @@
 
 Both servers get the same checkpoint folder, dtype, context length and KV budget; each engine
 runs with the whole machine to itself (the other is stopped before it starts).
+
+``--repeats N`` measures every engine N times, alternating which goes first (widellm, vLLM,
+then vLLM, widellm, ...), and prints each repeat's ratios (first engine / second) and their
+medians: on a shared machine whose speed drifts by 2x within seconds, one pair of runs says
+little about a tail latency.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import signal
 import socket
 import subprocess
@@ -73,10 +79,10 @@ def server_commands(args: argparse.Namespace, port: int) -> dict[str, tuple[list
     return {"widellm": widellm, "vllm": vllm}
 
 
-def run_engine(name: str, args: argparse.Namespace) -> dict:
+def run_engine(name: str, args: argparse.Namespace, tag: str = "") -> dict:
     port = free_port()
     cmd, env = server_commands(args, port)[name]
-    log = open(os.path.join(args.out_dir, f"{name}-server.log"), "w")
+    log = open(os.path.join(args.out_dir, f"{name}{tag}-server.log"), "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -84,7 +90,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
     try:
         wait_healthy(url, proc)
         for c in args.concurrency:
-            out = os.path.join(args.out_dir, f"{name}-c{c}.json")
+            out = os.path.join(args.out_dir, f"{name}{tag}-c{c}.json")
             bench = [sys.executable, "-m", "widellm.bench.serve", "--base-url", url,
                      "--model", "bench", "--tokenizer", args.model, "--input-len",
                      str(args.input_len), "--output-len", str(args.output_len),
@@ -97,6 +103,31 @@ def run_engine(name: str, args: argparse.Namespace) -> dict:
         stop(proc)
         log.close()
     return results
+
+
+RATIO_KEYS = ("output_throughput", "p99_ttft_ms", "median_ttft_ms")
+
+
+def print_repeat_ratios(repeats: list[dict], engines: list[str], concurrency: list[int]) -> None:
+    """Per repeat and concurrency, engines[0] / engines[1] for RATIO_KEYS, then the medians."""
+    first, second = engines[:2]
+    for c in concurrency:
+        ratios = {k: [r[first][f"c{c}"][k] / r[second][f"c{c}"][k] for r in repeats]
+                  for k in RATIO_KEYS}
+        print(f"concurrency {c}: {first} / {second} per repeat, then the median")
+        for k, values in ratios.items():
+            print(f"  {k:18s} " + " ".join(f"{v:.2f}" for v in values)
+                  + f"   median {statistics.median(values):.2f}")
+
+
+def run_repeats(args: argparse.Namespace) -> None:
+    repeats = []
+    for i in range(args.repeats):
+        order = args.engines if i % 2 == 0 else args.engines[::-1]
+        repeats.append({name: run_engine(name, args, tag=f"-r{i}") for name in order})
+        with open(os.path.join(args.out_dir, "serve_compare_repeats.json"), "w") as f:
+            json.dump(repeats, f, indent=2)
+    print_repeat_ratios(repeats, args.engines, args.concurrency)
 
 
 def main() -> None:
@@ -113,8 +144,15 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=int, default=4)
     p.add_argument("--out-dir", default="bench-results")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measure every engine this many times, alternating the order")
     args = p.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.repeats > 1:
+        if len(args.engines) != 2:
+            p.error("--repeats compares exactly two --engines")
+        run_repeats(args)
+        return
     summary_path = os.path.join(args.out_dir, "serve_compare.json")
     summary = {}
     if os.path.isfile(summary_path):  # keep engines measured by an earlier call
