@@ -1,5 +1,6 @@
-"""The oneDNN-packed bf16 linear fast path against its reference, plain ``nn.Linear``: same
-outputs, exactly which modules get packed (never a tied or otherwise shared weight, but the LM head, which gets its own copy), the plain
+"""The oneDNN-packed linear fast path (bf16 where oneDNN runs bf16 here, fp32 everywhere)
+against its reference, plain ``nn.Linear``: same outputs, exactly which modules get packed
+(never a tied or otherwise shared weight, but the LM head, which gets its own copy), the plain
 weights really freed, and whole models generating the same tokens either way."""
 
 from __future__ import annotations
@@ -23,24 +24,32 @@ from widellm.model.loader import build_model, load_hf_config
 needs_onednn_bf16 = pytest.mark.skipif(
     not packed_linear_available(), reason="oneDNN bf16 linear not available on this CPU/torch"
 )
+needs_onednn = pytest.mark.skipif(
+    not packed_linear_available(torch.float32), reason="no oneDNN in this torch"
+)
+# Every packable dtype, bf16 only where oneDNN has bf16 kernels on this CPU.
+DTYPES = [pytest.param(torch.bfloat16, marks=needs_onednn_bf16, id="bf16"),
+          pytest.param(torch.float32, marks=needs_onednn, id="fp32")]
+# The dtype the dtype-independent tests pack: bf16 (the CPU default) where it can be packed.
+PACK_DTYPE = torch.bfloat16 if packed_linear_available() else torch.float32
 
 IN_FEATURES, OUT_FEATURES = 200, 300  # not multiples of oneDNN's blocks
-# Relative to the output's scale: bf16 output rounding (2^-8) with room for a different
-# accumulation order than F.linear.
-REL_TOL = 2.0**-7
+# Relative to the output's scale: the output rounding (bf16: 2^-8; fp32: 2^-24 times the
+# ~sqrt(200)-term sums' growth) with room for a different accumulation order than F.linear.
+REL_TOL = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-18}
 PROMPTS = [list(range(20, 45)), [7, 3, 99, 250, 11], list(range(300, 340, 3))]
 MAX_TOKENS = 6
-LOGPROB_TOL = 2e-2
+LOGPROB_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 
-def _linear(bias: bool, seed: int = 0) -> nn.Linear:
+def _linear(bias: bool, seed: int = 0, dtype: torch.dtype = PACK_DTYPE) -> nn.Linear:
     torch.manual_seed(seed)
-    return nn.Linear(IN_FEATURES, OUT_FEATURES, bias=bias).to(torch.bfloat16)
+    return nn.Linear(IN_FEATURES, OUT_FEATURES, bias=bias).to(dtype)
 
 
 def _packed_copy(lin: nn.Linear) -> nn.Linear:
     out = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                    dtype=torch.bfloat16)
+                    dtype=lin.weight.dtype)
     out.load_state_dict(lin.state_dict())
     pack_linear(out)
     return out
@@ -50,38 +59,38 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype
     scale = want.float().abs().max().item()
     err = (got.float() - want.float()).abs().max().item()
-    assert err <= REL_TOL * scale, f"max abs diff {err} vs output scale {scale}"
+    assert err <= REL_TOL[want.dtype] * scale, f"max abs diff {err} vs output scale {scale}"
 
 
-@needs_onednn_bf16
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
-def test_packed_matches_f_linear(m, bias):
-    lin = _linear(bias)
+def test_packed_matches_f_linear(m, bias, dtype):
+    lin = _linear(bias, dtype=dtype)
     packed = _packed_copy(lin)
-    assert type(packed) is PackedLinear
-    x = torch.randn(m, IN_FEATURES, dtype=torch.bfloat16)
+    assert type(packed) is PackedLinear and packed.packed_weight.dtype == dtype
+    x = torch.randn(m, IN_FEATURES, dtype=dtype)
     with torch.inference_mode():
         _assert_close(packed(x), F.linear(x, lin.weight, lin.bias))
 
 
-@needs_onednn_bf16
-def test_packed_takes_any_leading_shape_strides_and_empty_batches():
-    lin = _linear(bias=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_takes_any_leading_shape_strides_and_empty_batches(dtype):
+    lin = _linear(bias=True, dtype=dtype)
     packed = _packed_copy(lin)
     with torch.inference_mode():
-        x3 = torch.randn(3, 5, IN_FEATURES, dtype=torch.bfloat16)
+        x3 = torch.randn(3, 5, IN_FEATURES, dtype=dtype)
         _assert_close(packed(x3), lin(x3))
-        wide = torch.randn(9, IN_FEATURES + 56, dtype=torch.bfloat16)
+        wide = torch.randn(9, IN_FEATURES + 56, dtype=dtype)
         x_slice = wide[:, 13:13 + IN_FEATURES]  # row stride != in_features
-        x_t = torch.randn(IN_FEATURES, 9, dtype=torch.bfloat16).t()  # column-major
+        x_t = torch.randn(IN_FEATURES, 9, dtype=dtype).t()  # column-major
         for x in (x_slice, x_t):
             assert not x.is_contiguous()
             _assert_close(packed(x), lin(x))
-        assert packed(torch.empty(0, IN_FEATURES, dtype=torch.bfloat16)).shape == (0, OUT_FEATURES)
+        assert packed(torch.empty(0, IN_FEATURES, dtype=dtype)).shape == (0, OUT_FEATURES)
 
 
-@needs_onednn_bf16
+@needs_onednn
 def test_pack_frees_the_plain_weight_and_keeps_no_checkpoint_entry():
     lin = _linear(bias=True)
     weight = weakref.ref(lin.weight)
@@ -95,8 +104,9 @@ def test_pack_frees_the_plain_weight_and_keeps_no_checkpoint_entry():
 
 
 class _TwoHeads(nn.Module):
-    """An embedding tied to one head, a head whose weight another tensor aliases, a plain head,
-    an fp32 head and a Linear subclass: only the plain bf16 head may be packed."""
+    """An embedding tied to one head, a head whose weight another tensor aliases, a plain bf16
+    head, a plain fp32 head, an fp16 head and a Linear subclass: only the plain bf16 and fp32
+    heads may be packed."""
 
     class _Scaled(nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,17 +122,19 @@ class _TwoHeads(nn.Module):
         self.split = self.aliased.weight.detach()[:10]  # like a load-time split (MLA's w_uk)
         self.plain = nn.Linear(IN_FEATURES, OUT_FEATURES, dtype=bf16)
         self.fp32 = nn.Linear(IN_FEATURES, OUT_FEATURES)
+        self.fp16 = nn.Linear(IN_FEATURES, OUT_FEATURES, dtype=torch.float16)
         self.scaled = self._Scaled(IN_FEATURES, OUT_FEATURES, dtype=bf16)
 
 
-@needs_onednn_bf16
-def test_only_unshared_plain_bf16_linears_are_packed():
+@needs_onednn
+def test_only_unshared_plain_linears_are_packed():
     model = _TwoHeads()
     embed_weight = model.embed.weight
-    assert pack_linear_weights(model, enabled=True) == 1
-    assert type(model.plain) is PackedLinear
-    for name in ("tied", "aliased", "fp32", "scaled"):
-        assert type(getattr(model, name)) is not PackedLinear, name
+    # bf16 only where oneDNN runs it (on AVX2 CPUs the plain bf16 head stays plain).
+    expected = {"plain", "fp32"} if packed_linear_available() else {"fp32"}
+    assert pack_linear_weights(model, enabled=True) == len(expected)
+    for name in ("tied", "aliased", "plain", "fp32", "fp16", "scaled"):
+        assert (type(getattr(model, name)) is PackedLinear) == (name in expected), name
     assert model.tied.weight is model.embed.weight is embed_weight
     # Already packed modules are not packed twice.
     assert pack_linear_weights(model, enabled=True) == 0
@@ -148,33 +160,33 @@ def test_disabled_packs_nothing(monkeypatch):
 EXPECTED_PACKED = {"LlamaForCausalLM": 2 * 4 + 1, "DeepseekV3ForCausalLM": 3 * 5 + 2 + 2 * 2 + 1}
 
 
-@needs_onednn_bf16
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", sorted(EXPECTED_PACKED))
-def test_build_model_packs_bf16_linears(arch, model_dir, monkeypatch):
+def test_build_model_packs_linears(arch, dtype, model_dir, monkeypatch):
     monkeypatch.delenv(PACKED_LINEAR_ENV, raising=False)
     path = model_dir(arch)
     cfg = load_hf_config(path)
-    model = build_model(cfg, path, torch.bfloat16)
+    model = build_model(cfg, path, dtype)
     packed = [n for n, m in model.named_modules() if isinstance(m, PackedLinear)]
     assert len(packed) == EXPECTED_PACKED[arch]
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert type(model.lm_head) is PackedLinear
     # A tied head's packed copy leaves the embedding its plain weight.
     assert type(model.model.embed_tokens) is nn.Embedding
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == dtype
 
-    # The reference twin: disabled, or not bf16, nothing is packed.
+    # The reference twin: disabled, nothing is packed; fp16 is never packed.
     monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
-    plain = build_model(cfg, path, torch.bfloat16)
+    plain = build_model(cfg, path, dtype)
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
     monkeypatch.delenv(PACKED_LINEAR_ENV)
-    fp32 = build_model(cfg, path, torch.float32)
-    assert not any(isinstance(m, PackedLinear) for m in fp32.modules())
+    fp16 = build_model(cfg, path, torch.float16)
+    assert not any(isinstance(m, PackedLinear) for m in fp16.modules())
 
 
-def _greedy(path: str) -> tuple[int, list[list[int]], list[list[float]]]:
+def _greedy(path: str, dtype: torch.dtype) -> tuple[int, list[list[int]], list[list[float]]]:
     """(packed modules in the engine's model, greedy tokens, their logprobs) for PROMPTS."""
-    llm = LLM(path, dtype="bfloat16", num_kv_blocks=256)
+    llm = LLM(path, dtype=dtype, num_kv_blocks=256)
     model = llm.llm_engine.engine_core.model_runner.model  # in-process engine core (DP=1)
     num_packed = sum(isinstance(m, PackedLinear) for m in model.modules())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
@@ -185,31 +197,31 @@ def _greedy(path: str) -> tuple[int, list[list[int]], list[list[float]]]:
     return num_packed, tokens, logprobs
 
 
-@needs_onednn_bf16
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", sorted(EXPECTED_PACKED))
-def test_packed_model_generates_like_plain(arch, model_dir, monkeypatch):
-    """Greedy bf16 generation (batched prefill, MLA prefill via kv_b_proj and absorbed decode)
+def test_packed_model_generates_like_plain(arch, dtype, model_dir, monkeypatch):
+    """Greedy generation (batched prefill, MLA prefill via kv_b_proj and absorbed decode)
     gives the same tokens with packed and plain linears, and nearly the same logprobs."""
     path = model_dir(arch)
     monkeypatch.setenv(PACKED_LINEAR_ENV, "1")
-    num_packed, packed_tokens, packed_lp = _greedy(path)
+    num_packed, packed_tokens, packed_lp = _greedy(path, dtype)
     assert num_packed == EXPECTED_PACKED[arch]
     monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
-    num_plain, plain_tokens, plain_lp = _greedy(path)
+    num_plain, plain_tokens, plain_lp = _greedy(path, dtype)
     assert num_plain == 0
     assert packed_tokens == plain_tokens
-    # Identical on the AMX machine this was written on; bf16 rounding may differ elsewhere.
+    # bf16: identical on the AMX machine this was written on; rounding may differ elsewhere.
     for a, b in zip(packed_lp, plain_lp):
-        assert a == pytest.approx(b, abs=LOGPROB_TOL)
+        assert a == pytest.approx(b, abs=LOGPROB_TOL[dtype])
 
 
-@needs_onednn_bf16
+@needs_onednn
 def test_warm_packed_linears_calls_one_module_per_shape():
     """Two linears of one shape and one of another: each row count runs once per shape, on
     the first module of that shape; plain linears are skipped."""
     same_a, same_b, other = _packed_copy(_linear(False, 0)), _packed_copy(_linear(False, 1)), \
         _packed_copy(_linear(True, 2))
-    plain = nn.Linear(IN_FEATURES, OUT_FEATURES)
+    plain = nn.Linear(IN_FEATURES, OUT_FEATURES, dtype=torch.float16)
     seen: list[tuple[str, int]] = []
     for name, m in (("a", same_a), ("b", same_b), ("other", other)):
         m.register_forward_hook(lambda mod, args, out, name=name: seen.append(
@@ -220,12 +232,12 @@ def test_warm_packed_linears_calls_one_module_per_shape():
     assert warm_packed_linears([plain], [16]) == 0
 
 
-@needs_onednn_bf16
+@needs_onednn
 def test_runner_warms_each_padded_prompt_size_once(model_dir):
     """The serving loop's idle warm-up: every padded prompt-step size below the budget (which
     start-up ran), smallest first, through one decoder linear of each shape and never the LM
     head. Padding never goes past the budget."""
-    llm = LLM(model_dir("LlamaForCausalLM"), dtype="bfloat16", num_kv_blocks=64,
+    llm = LLM(model_dir("LlamaForCausalLM"), dtype=PACK_DTYPE, num_kv_blocks=64,
               max_model_len=256, max_num_batched_tokens=100, prefill_pad_multiple=32)
     runner = llm.llm_engine.engine_core.model_runner
     assert runner.sizes_to_warm == [32, 64, 96]

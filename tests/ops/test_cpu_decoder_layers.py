@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from widellm import LLM, SamplingParams
+from widellm.layers.linear import packed_linear_available
 from widellm.model.presets import PRESETS, write_checkpoint
 from widellm.model.fused_decode import (
     FUSED_DECODE_ENV, DeepseekFusedDecode, FusedDecode, LlamaFusedDecode, enable_fused_decode,
@@ -18,6 +19,11 @@ from widellm.model.fused_decode import (
 )
 
 PROMPT_LENS = (5, 9, 17, 30, 33, 48, 64, 100)
+
+# The stacks call oneDNN's packed bf16 linears; CPUs without bf16 support in oneDNN (AVX2
+# ones) keep plain linears, so no stack is built (test_fused_decode_only_where_it_applies).
+needs_packed_linears = pytest.mark.skipif(
+    not packed_linear_available(), reason="oneDNN bf16 linear not available on this CPU/torch")
 
 
 def _prompts(vocab: int) -> list[dict]:
@@ -66,6 +72,7 @@ def _decoder(llm: LLM):
     ("DeepseekV3ForCausalLM", DeepseekFusedDecode),  # q_lora_rank, sigmoid + grouped routing
     ("DeepseekV2ForCausalLM", DeepseekFusedDecode),  # q_proj, softmax routing
 ])
+@needs_packed_linears
 def test_fused_decode_equals_the_layers(arch, stack, checkpoint, kernels, monkeypatch):
     # No prefix caching: the second run must prefill exactly as the first did.
     llm = LLM(checkpoint(arch), dtype="bfloat16", num_kv_blocks=128, max_model_len=256,
@@ -98,6 +105,7 @@ def test_fused_decode_equals_the_layers(arch, stack, checkpoint, kernels, monkey
         llm.shutdown()
 
 
+@needs_packed_linears
 def test_fused_decode_rejects_a_slot_outside_the_cache(model_dir, kernels):
     llm = LLM(model_dir("LlamaForCausalLM"), dtype="bfloat16", num_kv_blocks=8,
               max_model_len=64)
@@ -121,6 +129,16 @@ def test_fused_decode_rejects_a_slot_outside_the_cache(model_dir, kernels):
 ])
 def test_fused_decode_only_where_it_applies(arch, dtype, model_dir, kernels):
     llm = LLM(model_dir(arch), dtype=dtype, num_kv_blocks=32, max_model_len=64)
+    try:
+        assert _decoder(llm).fused_decode is None
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(packed_linear_available(), reason="oneDNN runs bf16 linears here")
+def test_no_fused_decode_without_packed_linears(model_dir, kernels):
+    llm = LLM(model_dir("LlamaForCausalLM"), dtype="bfloat16", num_kv_blocks=32,
+              max_model_len=64)
     try:
         assert _decoder(llm).fused_decode is None
     finally:

@@ -13,10 +13,10 @@ from widellm.layers.norm import RMSNorm
 TOLERANCE = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-6}
 
 
-def _assert_close_relative(out, ref, dtype):
+def _assert_close_relative(out, ref, dtype, steps=1):
     scale = ref.float().abs().clamp(min=1.0)
     err = ((out.float() - ref.float()).abs() / scale).max().item()
-    assert err <= TOLERANCE[dtype], err
+    assert err <= steps * TOLERANCE[dtype], err
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -52,7 +52,10 @@ def test_rms_norm_kernel(kernels, dtype, rows, hidden):
         norm.weight.copy_(torch.randn(hidden, generator=gen))
     out = kernels.rms_norm(x, norm.weight.detach(), 1e-5)
     ref = norm.forward_reference(x)
-    _assert_close_relative(out, ref, dtype)
+    # Two roundings (the normalised row, then its product with the weight): a sum of squares
+    # summed in another order can move the first by one step, which the weight scales
+    # (vectorized sums in torch's order on AVX-512; other CPUs differ in a few rows).
+    _assert_close_relative(out, ref, dtype, steps=2)
     if dtype != torch.float32:
         # Same rounding steps as the reference: nearly every element is bit-equal (in fp32 the
         # differently ordered sum of squares shows in the last bits).
@@ -74,7 +77,7 @@ def test_fused_add_rms_norm_kernel(kernels, dtype, rows, hidden):
     assert torch.equal(h, ref_h)
     # The norm of it is exactly the plain kernel's.
     assert torch.equal(out, kernels.rms_norm(ref_h, norm.weight.detach(), 1e-5))
-    _assert_close_relative(out, ref_out, dtype)
+    _assert_close_relative(out, ref_out, dtype, steps=2)  # as test_rms_norm_kernel
     with pytest.raises(RuntimeError, match="residual must match x"):
         kernels.fused_add_rms_norm(x, residual[:, :-1], norm.weight.detach(), 1e-5)
 

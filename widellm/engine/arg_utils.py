@@ -37,7 +37,9 @@ class EngineArgs:
                               "preset:NAME (default: SmolLM2-135M-Instruct)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder or .gguf"})
     served_model_name: str | None = field(default=None, metadata={"help": "name in the API"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16), bfloat16, float32"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto (bfloat16 where the CPU has bf16 matmul units, else float32), bfloat16, "
+                "float32"})
     seed: int = field(default=0, metadata={"help": "seed for unseeded random sampling"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length"})
     max_num_batched_tokens: int = field(default=4096, metadata={"help": "token budget/step"})

@@ -7,9 +7,9 @@
 // h is the KV head and g indexes the query heads that share it (grouped-query attention; MLA
 // decode is Hkv = 1 with every query head in g and V a prefix of the latent K row). Each
 // K row is scored by its G query rows while it is in cache, so every K and V row is read
-// once per step. Accumulation is in fp32. bf16 caches in 16-row blocks with head sizes that
-// are multiples of 32 take the AVX512-BF16 path instead (paged_attention_bf16.cpp), where the
-// CPU has it.
+// once per step. Accumulation is in fp32, in 16-lane (AVX-512) or 8-lane (AVX2) FMA chains
+// where head sizes allow. bf16 caches in 16-row blocks with head sizes that are multiples of
+// 32 take the AVX512-BF16 path instead (paged_attention_bf16.cpp), where the CPU has it.
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -32,38 +32,38 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// out[g * ld + j] = q[g] . k[j] for g < G, j < n.  q [G, D], k [n, D] fp32.
-inline void score_rows(const float* q, const float* k, int64_t G, int64_t n, int64_t D,
-                       float* out, int64_t ld) {
+// out[g * ld + j] = q[g] . k[j] for g < G, j < n.  q [G, D], k [n, D] fp32 with rows ks apart.
+inline void score_rows(const float* q, const float* k, int64_t ks, int64_t G, int64_t n,
+                       int64_t D, float* out, int64_t ld) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
     // Sixteen K rows per pass: sixteen independent FMA chains, reduced together.
     for (; j + 16 <= n; j += 16) {
-      const float* k0 = k + j * D;
+      const float* k0 = k + j * ks;
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
         __m512 acc[16];
         for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d += 16) {
           const __m512 vq = _mm512_loadu_ps(qg + d);
-          for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + r * D + d), acc[r]);
+          for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + r * ks + d), acc[r]);
         }
         _mm512_storeu_ps(out + g * ld + j, reduce16(acc));
       }
     }
     // Four K rows per pass: four independent FMA chains share each load of q.
     for (; j + 4 <= n; j += 4) {
-      const float* k0 = k + j * D;
+      const float* k0 = k + j * ks;
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t d = 0; d < D; d += 16) {
           const __m512 vq = _mm512_loadu_ps(qg + d);
           a0 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + d), a0);
-          a1 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + D + d), a1);
-          a2 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + 2 * D + d), a2);
-          a3 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + 3 * D + d), a3);
+          a1 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + ks + d), a1);
+          a2 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + 2 * ks + d), a2);
+          a3 = _mm512_fmadd_ps(vq, _mm512_loadu_ps(k0 + 3 * ks + d), a3);
         }
         float* o = out + g * ld + j;
         o[0] = _mm512_reduce_add_ps(a0);
@@ -73,15 +73,49 @@ inline void score_rows(const float* q, const float* k, int64_t G, int64_t n, int
       }
     }
   }
+#elif defined(WIDELLM_AVX2)
+  if (D % 8 == 0) {
+    // Eight K rows per pass (eight FMA chains, reduced four at a time), then four.
+    for (; j + 8 <= n; j += 8) {
+      const float* k0 = k + j * ks;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m256 acc[8];
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 vq = _mm256_loadu_ps(qg + d);
+          for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k0 + r * ks + d), acc[r]);
+        }
+        float* o = out + g * ld + j;
+        _mm_storeu_ps(o, reduce4(acc[0], acc[1], acc[2], acc[3]));
+        _mm_storeu_ps(o + 4, reduce4(acc[4], acc[5], acc[6], acc[7]));
+      }
+    }
+    for (; j + 4 <= n; j += 4) {
+      const float* k0 = k + j * ks;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 vq = _mm256_loadu_ps(qg + d);
+          a0 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k0 + d), a0);
+          a1 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k0 + ks + d), a1);
+          a2 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k0 + 2 * ks + d), a2);
+          a3 = _mm256_fmadd_ps(vq, _mm256_loadu_ps(k0 + 3 * ks + d), a3);
+        }
+        _mm_storeu_ps(out + g * ld + j, reduce4(a0, a1, a2, a3));
+      }
+    }
+  }
 #endif
   for (; j < n; ++j) {
-    for (int64_t g = 0; g < G; ++g) out[g * ld + j] = dot(q + g * D, k + j * D, D);
+    for (int64_t g = 0; g < G; ++g) out[g * ld + j] = dot(q + g * D, k + j * ks, D);
   }
 }
 
-// acc[g] += sum_j p[g * ld + j] * v[j] for g < G.  v [n, D], acc [G, D] fp32.
-inline void accumulate_rows(const float* p, int64_t ld, const float* v, int64_t G, int64_t n,
-                            int64_t D, float* acc) {
+// acc[g] += sum_j p[g * ld + j] * v[j] for g < G.  v [n, D] with rows vs apart, acc [G, D] fp32.
+inline void accumulate_rows(const float* p, int64_t ld, const float* v, int64_t vs, int64_t G,
+                            int64_t n, int64_t D, float* acc) {
   for (int64_t g = 0; g < G; ++g) {
     const float* pg = p + g * ld;
     float* ag = acc + g * D;
@@ -93,7 +127,7 @@ inline void accumulate_rows(const float* p, int64_t ld, const float* v, int64_t 
       __m512 a2 = _mm512_loadu_ps(ag + d + 32), a3 = _mm512_loadu_ps(ag + d + 48);
       for (int64_t j = 0; j < n; ++j) {
         const __m512 vp = _mm512_set1_ps(pg[j]);
-        const float* vj = v + j * D + d;
+        const float* vj = v + j * vs + d;
         a0 = _mm512_fmadd_ps(vp, _mm512_loadu_ps(vj), a0);
         a1 = _mm512_fmadd_ps(vp, _mm512_loadu_ps(vj + 16), a1);
         a2 = _mm512_fmadd_ps(vp, _mm512_loadu_ps(vj + 32), a2);
@@ -107,14 +141,39 @@ inline void accumulate_rows(const float* p, int64_t ld, const float* v, int64_t 
     for (; d + 16 <= D; d += 16) {
       __m512 a = _mm512_loadu_ps(ag + d);
       for (int64_t j = 0; j < n; ++j) {
-        a = _mm512_fmadd_ps(_mm512_set1_ps(pg[j]), _mm512_loadu_ps(v + j * D + d), a);
+        a = _mm512_fmadd_ps(_mm512_set1_ps(pg[j]), _mm512_loadu_ps(v + j * vs + d), a);
       }
       _mm512_storeu_ps(ag + d, a);
+    }
+#elif defined(WIDELLM_AVX2)
+    // 32 columns (four chains) at a time, then 8.
+    for (; d + 32 <= D; d += 32) {
+      __m256 a0 = _mm256_loadu_ps(ag + d), a1 = _mm256_loadu_ps(ag + d + 8);
+      __m256 a2 = _mm256_loadu_ps(ag + d + 16), a3 = _mm256_loadu_ps(ag + d + 24);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 vp = _mm256_set1_ps(pg[j]);
+        const float* vj = v + j * vs + d;
+        a0 = _mm256_fmadd_ps(vp, _mm256_loadu_ps(vj), a0);
+        a1 = _mm256_fmadd_ps(vp, _mm256_loadu_ps(vj + 8), a1);
+        a2 = _mm256_fmadd_ps(vp, _mm256_loadu_ps(vj + 16), a2);
+        a3 = _mm256_fmadd_ps(vp, _mm256_loadu_ps(vj + 24), a3);
+      }
+      _mm256_storeu_ps(ag + d, a0);
+      _mm256_storeu_ps(ag + d + 8, a1);
+      _mm256_storeu_ps(ag + d + 16, a2);
+      _mm256_storeu_ps(ag + d + 24, a3);
+    }
+    for (; d + 8 <= D; d += 8) {
+      __m256 a = _mm256_loadu_ps(ag + d);
+      for (int64_t j = 0; j < n; ++j) {
+        a = _mm256_fmadd_ps(_mm256_set1_ps(pg[j]), _mm256_loadu_ps(v + j * vs + d), a);
+      }
+      _mm256_storeu_ps(ag + d, a);
     }
 #endif
     for (; d < D; ++d) {
       float a = ag[d];
-      for (int64_t j = 0; j < n; ++j) a += pg[j] * v[j * D + d];
+      for (int64_t j = 0; j < n; ++j) a += pg[j] * v[j * vs + d];
       ag[d] = a;
     }
   }
@@ -136,6 +195,19 @@ template <typename T>
 inline void widen_rows(const T* block, int64_t s_pos, int64_t s_h, int64_t h, int64_t n,
                        int64_t D, float* buf) {
   for (int64_t j = 0; j < n; ++j) row_to_float(block + j * s_pos + h * s_h, buf + j * D, D);
+}
+
+// Rows [0, n) of KV head h of a block as fp32 rows and their stride: the cache itself for an
+// fp32 cache, else buf [n, D] after widen_rows.
+template <typename T>
+inline std::pair<const float*, int64_t> fp32_rows(const T* block, int64_t s_pos, int64_t s_h,
+                                                  int64_t h, int64_t n, int64_t D, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {block + h * s_h, s_pos};
+  } else {
+    widen_rows(block, s_pos, s_h, h, n, D, buf);
+    return {buf, D};
+  }
 }
 
 template <typename T>
@@ -175,8 +247,9 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         const int64_t n = std::min(block_size, L - l0);
         const T* kblock = block_base(kp, ks_blk, ks_pos, blocks, l0, block_size, L);
         for (int64_t h = 0; h < H; ++h) {
-          widen_rows(kblock, ks_pos, ks_h, h, n, Dk, kbuf.data());
-          score_rows(qf.data() + h * G * Dk, kbuf.data(), G, n, Dk,
+          // fp32 rows are scored where they are in the cache; others widened first.
+          const auto [krows, kstride] = fp32_rows(kblock, ks_pos, ks_h, h, n, Dk, kbuf.data());
+          score_rows(qf.data() + h * G * Dk, krows, kstride, G, n, Dk,
                      scores.data() + h * G * L + l0, L);
         }
       }
@@ -185,8 +258,8 @@ void decode_kernel(torch::Tensor& out, const torch::Tensor& q, const torch::Tens
         const int64_t n = std::min(block_size, L - l0);
         const T* vblock = block_base(vp, vs_blk, vs_pos, blocks, l0, block_size, L);
         for (int64_t h = 0; h < H; ++h) {
-          widen_rows(vblock, vs_pos, vs_h, h, n, Dv, vbuf.data());
-          accumulate_rows(scores.data() + h * G * L + l0, L, vbuf.data(), G, n, Dv,
+          const auto [vrows, vstride] = fp32_rows(vblock, vs_pos, vs_h, h, n, Dv, vbuf.data());
+          accumulate_rows(scores.data() + h * G * L + l0, L, vrows, vstride, G, n, Dv,
                           acc.data() + h * G * Dv);
         }
       }

@@ -1,6 +1,7 @@
 // Shared helpers of the CPU kernels: element conversions to fp32 and back, a vectorized exp
-// and the SwiGLU gate. AVX-512 paths where the compiler targets it (-march=native), plain loops
-// otherwise.
+// and the SwiGLU gate. AVX-512 paths where the compiler targets it (-march=native), AVX2 + FMA
+// paths for the fp32 attention math on CPUs without AVX-512 (AMD Zen 1-3, Intel client
+// cores), plain loops otherwise.
 #pragma once
 
 #include <torch/extension.h>
@@ -15,8 +16,13 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+// AVX2 + FMA code paths run where AVX-512 is absent (AVX-512 CPUs take their wider paths).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define WIDELLM_AVX2 1
 #endif
 
 namespace widellm_cpu {
@@ -111,6 +117,16 @@ inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int6
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load_bf16(src + i));
   for (; i < n; ++i) dst[i] = to_float(src[i]);
 }
+#elif defined(WIDELLM_AVX2)
+template <>
+inline void row_to_float<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
 #endif
 
 // x rounded to T and back: the value torch holds after an op whose result is stored as T.
@@ -174,6 +190,47 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, k);
+}
+#endif
+
+#if defined(WIDELLM_AVX2)
+// exp16's method for 8 lanes; 2^k is built in the exponent field (AVX2 has no scalef): k is
+// within [-127, 127] after the clamp, and 2^-127 comes out as 0, which softmax cannot tell
+// from e^-88.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-88.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i two_k = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
+}
+
+// The four lane-sums of a0..a3, in order.
+inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+inline float reduce_add8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 #endif
 
@@ -270,6 +327,10 @@ inline void softmax_inplace(float* s, int64_t n) {
   __m512 vm = _mm512_set1_ps(m);
   for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + i));
   m = _mm512_reduce_max_ps(vm);
+#elif defined(WIDELLM_AVX2)
+  __m256 vm = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + i));
+  m = reduce_max8(vm);
 #endif
   for (; i < n; ++i) m = std::max(m, s[i]);
   i = 0;
@@ -282,6 +343,15 @@ inline void softmax_inplace(float* s, int64_t n) {
     vsum = _mm512_add_ps(vsum, e);
   }
   sum = _mm512_reduce_add_ps(vsum);
+#elif defined(WIDELLM_AVX2)
+  const __m256 vmax = _mm256_set1_ps(m);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmax));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = reduce_add8(vsum);
 #endif
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - m);
