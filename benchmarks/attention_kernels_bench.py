@@ -1,9 +1,11 @@
 """Microbenchmark of the CPU attention kernels of Llama-family layers against the paths they
-replace, bf16, both cores, SmolLM2-135M's shapes (9 query heads, 3 KV heads, head size 64).
+replace, both cores, SmolLM2-135M's shapes (9 query heads, 3 KV heads, head size 64).
 
-Decode: ``paged_decode_attention`` on its AVX512-BF16 path against its fp32 vector path
-(``bf16_dot=False``) and the gather + SDPA form, with 30 layers' worth of caches visited in
-turn (as a decode step does, so the cache does not stay in L3). Prefill: the AMX causal kernel
+Decode: ``paged_decode_attention`` on bf16 caches, its AVX512-BF16 path (where the CPU has it)
+against its fp32 vector path (``bf16_dot=False``) and the gather + SDPA form; and on fp32
+caches (the dtype of CPUs without native bf16), the vector path against gather + SDPA; with
+30 layers' worth of caches visited in turn (as a decode step does, so the cache does not stay
+in L3). Prefill: the AMX causal kernel
 with every prompt in one ``prefill_attention_batch`` call (as the layers call it) and one
 ``prefill_attention`` call per prompt, against torch SDPA (the layers' reference path), for
 SmolLM2 prompts and for MLA's expanded prefill shape (deepseek-v3-small: 16 heads, 192 / 128)::
@@ -27,17 +29,17 @@ from widellm.ops.cpu_kernels import load_cpu_kernels
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
-def decode_cases(args, kernels) -> list[dict]:
+def decode_cases(args, kernels, dtype: torch.dtype, bf16_dot: bool) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
     for seqs, length in ((16, 290), (64, 150), (64, 600)):
         blocks = -(-length // BLOCK)
         num_blocks = seqs * blocks + 1
-        caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+        caches = [torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
                   for _ in range(LAYERS)]
         bt = torch.randperm(num_blocks, generator=g)[: seqs * blocks].view(seqs, blocks)
         lens = torch.full((seqs,), length, dtype=torch.int64)
-        q = torch.randn(seqs, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM, generator=g).bfloat16()
+        q = torch.randn(seqs, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM, generator=g).to(dtype)
         turn = {"i": 0}
 
         def next_cache():
@@ -49,15 +51,17 @@ def decode_cases(args, kernels) -> list[dict]:
             return kernels.paged_decode_attention(q, c[0], c[1], bt, lens, 0.125, **kw)
 
         fns = {
-            "avx512_bf16": run,
+            **({"avx512_bf16": run} if bf16_dot else {}),
             "vector": lambda: run(bf16_dot=False),
             "gather+sdpa": lambda: (c := next_cache(),
                                     paged_decode_attention_reference(q, c[0], c[1], bt, lens,
                                                                      0.125)),
         }
         times = best_ms(fns, args.iters, args.repeats)
-        out.append({"kernel": "paged_decode_attention", "seqs": seqs, "len": length, "ms": times})
-        print(f"decode seqs={seqs:3d} len={length:4d} " + times_text(times, 3), flush=True)
+        out.append({"kernel": "paged_decode_attention", "dtype": str(dtype), "seqs": seqs,
+                    "len": length, "ms": times})
+        print(f"decode {str(dtype):14s} seqs={seqs:3d} len={length:4d} " + times_text(times, 3),
+              flush=True)
     return out
 
 
@@ -107,10 +111,10 @@ def main() -> None:
     kernels = load_cpu_kernels()
     if kernels is None:
         raise SystemExit("needs widellm's CPU kernels")
-    results = {}
-    if kernels.paged_decode_attention_backend(BLOCK, HEADS // KV_HEADS, HEAD_DIM, HEAD_DIM) \
-            == "avx512_bf16":
-        results["decode"] = decode_cases(args, kernels)
+    bf16_dot = kernels.paged_decode_attention_backend(
+        BLOCK, HEADS // KV_HEADS, HEAD_DIM, HEAD_DIM) == "avx512_bf16"
+    results = {"decode": decode_cases(args, kernels, torch.bfloat16, bf16_dot)
+               + decode_cases(args, kernels, torch.float32, False)}
     if kernels.prefill_attention_supported(HEAD_DIM, HEAD_DIM):
         results["prefill"] = prefill_cases(args, kernels)
     if args.output_json:

@@ -27,6 +27,8 @@ import sys
 import time
 import urllib.request
 
+from widellm.config import auto_dtype
+
 HEALTH_TIMEOUT_S = 600.0
 HEALTH_POLL_S = 1.0
 STOP_GRACE_S = 20.0
@@ -140,13 +142,18 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="passed to both servers; auto: widellm's choice for this CPU (bf16 with "
+                        "native bf16 matmuls, else float32), named explicitly to both, since "
+                        "vLLM's auto is bf16 on every x86 CPU")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=int, default=4)
     p.add_argument("--out-dir", default="bench-results")
     p.add_argument("--repeats", type=int, default=1,
                    help="measure every engine this many times, alternating the order")
     args = p.parse_args()
+    if args.dtype == "auto":
+        args.dtype = str(auto_dtype()).removeprefix("torch.")
     os.makedirs(args.out_dir, exist_ok=True)
     if args.repeats > 1:
         if len(args.engines) != 2:
