@@ -18,7 +18,9 @@ def test_freeze_collects_garbage_then_hides_survivors_from_collection():
     try:
         frozen = freeze_startup_heap("test")
         assert garbage() is None  # collected before the freeze, not frozen with the rest
-        assert frozen == gc.get_freeze_count() >= len(survivors)
+        # Frozen objects can still be freed by reference counting (the logging call after the
+        # freeze drops a few), so the count read now may be a little lower than the returned.
+        assert frozen >= gc.get_freeze_count() >= len(survivors)
         # Frozen objects are in no generation, so no later collection walks them.
         tracked = {id(o) for o in gc.get_objects()}
         assert not any(id(s) in tracked for s in survivors)

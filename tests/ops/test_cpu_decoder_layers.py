@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from widellm import LLM, SamplingParams
-from widellm.layers.linear import packed_linear_available
+from widellm.layers.linear import PACKED_LINEAR_ENV, packed_linear_available
 from widellm.model.presets import PRESETS, write_checkpoint
 from widellm.model.fused_decode import (
     FUSED_DECODE_ENV, DeepseekFusedDecode, FusedDecode, LlamaFusedDecode, enable_fused_decode,
@@ -20,8 +20,9 @@ from widellm.model.fused_decode import (
 
 PROMPT_LENS = (5, 9, 17, 30, 33, 48, 64, 100)
 
-# The stacks call oneDNN's packed bf16 linears; CPUs without bf16 support in oneDNN (AVX2
-# ones) keep plain linears, so no stack is built (test_fused_decode_only_where_it_applies).
+# The stacks call oneDNN's packed linears; CPUs without bf16 support in oneDNN (AVX2 ones)
+# keep plain bf16 linears, so no bf16 stack is built there
+# (test_no_fused_decode_without_packed_linears); fp32 ones are packed wherever oneDNN runs.
 needs_packed_linears = pytest.mark.skipif(
     not packed_linear_available(), reason="oneDNN bf16 linear not available on this CPU/torch")
 
@@ -66,16 +67,22 @@ def _decoder(llm: LLM):
     return llm.llm_engine.engine_core.model_runner.model.model
 
 
-@pytest.mark.parametrize("arch,stack", [
-    ("LlamaForCausalLM", LlamaFusedDecode),
-    ("Qwen2ForCausalLM", LlamaFusedDecode),  # q/k/v biases
-    ("DeepseekV3ForCausalLM", DeepseekFusedDecode),  # q_lora_rank, sigmoid + grouped routing
-    ("DeepseekV2ForCausalLM", DeepseekFusedDecode),  # q_proj, softmax routing
+@pytest.mark.parametrize("arch,stack,dtype", [
+    pytest.param("LlamaForCausalLM", LlamaFusedDecode, "bfloat16", marks=needs_packed_linears),
+    # q/k/v biases
+    pytest.param("Qwen2ForCausalLM", LlamaFusedDecode, "bfloat16", marks=needs_packed_linears),
+    ("LlamaForCausalLM", LlamaFusedDecode, "float32"),
+    ("Qwen2ForCausalLM", LlamaFusedDecode, "float32"),
+    # q_lora_rank, sigmoid + grouped routing
+    pytest.param("DeepseekV3ForCausalLM", DeepseekFusedDecode, "bfloat16",
+                 marks=needs_packed_linears),
+    # q_proj, softmax routing
+    pytest.param("DeepseekV2ForCausalLM", DeepseekFusedDecode, "bfloat16",
+                 marks=needs_packed_linears),
 ])
-@needs_packed_linears
-def test_fused_decode_equals_the_layers(arch, stack, checkpoint, kernels, monkeypatch):
+def test_fused_decode_equals_the_layers(arch, stack, dtype, checkpoint, kernels, monkeypatch):
     # No prefix caching: the second run must prefill exactly as the first did.
-    llm = LLM(checkpoint(arch), dtype="bfloat16", num_kv_blocks=128, max_model_len=256,
+    llm = LLM(checkpoint(arch), dtype=dtype, num_kv_blocks=128, max_model_len=256,
               enable_prefix_caching=False)
     try:
         decoder = _decoder(llm)
@@ -105,9 +112,8 @@ def test_fused_decode_equals_the_layers(arch, stack, checkpoint, kernels, monkey
         llm.shutdown()
 
 
-@needs_packed_linears
 def test_fused_decode_rejects_a_slot_outside_the_cache(model_dir, kernels):
-    llm = LLM(model_dir("LlamaForCausalLM"), dtype="bfloat16", num_kv_blocks=8,
+    llm = LLM(model_dir("LlamaForCausalLM"), dtype="float32", num_kv_blocks=8,
               max_model_len=64)
     try:
         decoder = _decoder(llm)
@@ -118,16 +124,19 @@ def test_fused_decode_rejects_a_slot_outside_the_cache(model_dir, kernels):
         with pytest.raises(ValueError, match="slot_mapping"):
             decoder.fused_decode(SimpleNamespace(attn_metadata=md),
                                  torch.zeros(1, dtype=torch.int64),
-                                 torch.zeros(1, hidden, dtype=torch.bfloat16))
+                                 torch.zeros(1, hidden, dtype=torch.float32))
     finally:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch,dtype", [
-    ("MixtralForCausalLM", "bfloat16"),  # MoE layers: not covered
-    ("LlamaForCausalLM", "float32"),  # unpacked fp32 linears: the layers' own path
+@pytest.mark.parametrize("arch,dtype,packed", [
+    ("MixtralForCausalLM", "bfloat16", "1"),  # MoE layers: not covered
+    ("DeepseekV3ForCausalLM", "float32", "1"),  # the DeepSeek stack is bf16 only
+    ("LlamaForCausalLM", "float32", "0"),  # plain linears: the layers' own path
 ])
-def test_fused_decode_only_where_it_applies(arch, dtype, model_dir, kernels):
+def test_fused_decode_only_where_it_applies(arch, dtype, packed, model_dir, kernels,
+                                            monkeypatch):
+    monkeypatch.setenv(PACKED_LINEAR_ENV, packed)
     llm = LLM(model_dir(arch), dtype=dtype, num_kv_blocks=32, max_model_len=64)
     try:
         assert _decoder(llm).fused_decode is None

@@ -6,13 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from widellm.ops.cpu_kernels import reduced_precision_kernels
+from widellm.ops.cpu_kernels import elementwise_kernels
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU gate, ``[..., 2 * I] -> [..., I]``: the fused CPU kernel for bf16/fp16 rows (one
-    pass instead of two ops and a temporary), else :func:`silu_and_mul_reference`."""
-    kernels = reduced_precision_kernels(x)
+    """SwiGLU gate, ``[..., 2 * I] -> [..., I]``: the fused CPU kernel where it applies
+    (:func:`elementwise_kernels`; one pass instead of two ops and a temporary), else
+    :func:`silu_and_mul_reference`."""
+    kernels = elementwise_kernels(x)
     if kernels is None:
         return silu_and_mul_reference(x)
     if x.dim() == 2 and x.stride(-1) == 1:

@@ -9,7 +9,7 @@ from typing import overload
 import torch
 from torch import nn
 
-from widellm.ops.cpu_kernels import reduced_precision_kernels
+from widellm.ops.cpu_kernels import elementwise_kernels
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         """x [..., hidden] -> norm(x), same shape and dtype. With ``residual`` (same shape):
         the pre-norm residual stream, ``h = x + residual`` -> ``(norm(h), h)``, the add and the
         norm in one pass on the kernel path."""
-        kernels = reduced_precision_kernels(x)
+        kernels = elementwise_kernels(x)
         if (kernels is None or x.dtype != self.weight.dtype or x.stride(-1) != 1
                 or (residual is not None and residual.stride(-1) != 1)):
             return self.forward_reference(x, residual)

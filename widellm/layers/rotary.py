@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from widellm.ops.cpu_kernels import reduced_precision_kernels
+from widellm.ops.cpu_kernels import elementwise_kernels
 
 
 def rope_parameters(hf_config: Any) -> dict:
@@ -60,9 +60,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """bf16/fp16 on CPU: the fused kernel, one call per tensor instead of ~10 ops, rounding
-        where the reference rounds (bit-equal in bf16); else :meth:`forward_reference`."""
-        kernels = reduced_precision_kernels(q)
+        """On CPU (:func:`elementwise_kernels`): the fused kernel, one call per tensor instead
+        of ~10 ops, rounding where the reference rounds (bit-equal in bf16); else
+        :meth:`forward_reference`."""
+        kernels = elementwise_kernels(q)
         if kernels is None or q.stride(-1) != 1 or k.stride(-1) != 1:
             return self.forward_reference(positions, q, k)
         interleaved = self.style == "interleaved"

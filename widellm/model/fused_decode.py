@@ -7,13 +7,14 @@ kernels' layer stacks, which run the layers' kernels and torch ops in the order 
 modules run them, so the results are the same bit for bit:
 
 * :class:`LlamaFusedDecode` -> ``llama_decode_layers`` (``ops/cpu/decoder_layers.cpp``):
-  Llama / Qwen2 layers (grouped-query attention, SwiGLU MLP);
+  Llama / Qwen2 layers (grouped-query attention, SwiGLU MLP), bf16 or fp32;
 * :class:`DeepseekFusedDecode` -> ``deepseek_decode_layers``
   (``ops/cpu/deepseek_decode_layers.cpp``): DeepSeek-V2/V3 layers (MLA through the AMX MLA
-  kernel; dense MLP or MoE with local experts through ``fused_experts``).
+  kernel; dense MLP or MoE with local experts through ``fused_experts``), bf16.
 
 Prompts, mixed and padded batches, and models or set-ups a stack does not cover (other layer
-types, fp32, expert parallelism, EPLB, the step-time breakdown) take the layers' own forwards:
+types, other dtypes, expert parallelism, EPLB, the step-time breakdown) take the layers' own
+forwards:
 the reference twin (``WIDELLM_CPU_FUSED_DECODE=0`` forces it).
 """
 
@@ -53,9 +54,9 @@ def _packed(*linears: nn.Module | None) -> bool:
     return all(m is None or type(m) is PackedLinear for m in linears)
 
 
-def _bf16_norms(*norms: nn.Module) -> bool:
-    """RMSNorms in bf16 sharing one epsilon."""
-    return (all(n.weight.dtype == torch.bfloat16 for n in norms)
+def _norms_in(dtypes: tuple[torch.dtype, ...], *norms: nn.Module) -> bool:
+    """RMSNorms of one dtype among ``dtypes``, sharing one epsilon."""
+    return (len({n.weight.dtype for n in norms}) == 1 and norms[0].weight.dtype in dtypes
             and len({n.variance_epsilon for n in norms}) == 1)
 
 
@@ -71,6 +72,9 @@ class FusedDecode(abc.ABC):
     caches are read from the attention layers at each call (the model runner binds them after
     loading)."""
 
+    # The activation dtypes a stack runs in; its layers' norms are in one of them.
+    DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
+
     @classmethod
     @abc.abstractmethod
     def build(cls, layers: nn.ModuleList, kernels) -> FusedDecode | None:
@@ -83,13 +87,18 @@ class FusedDecode(abc.ABC):
         stream), as the layers' forwards return them."""
 
     def applies(self, ctx: ForwardContext, x: torch.Tensor) -> bool:
-        """A bf16 batch of decodes only, read in place (block-table form), without padding."""
+        """A batch of decodes only in one of :attr:`DTYPES`, read in place (block-table form),
+        without padding."""
         md = ctx.attn_metadata
         return (md.num_decodes == md.num_tokens and md.decode_block_table is not None
-                and md.padding_mask is None and x.dtype == torch.bfloat16)
+                and md.padding_mask is None and x.dtype in self.DTYPES)
 
 
 class LlamaFusedDecode(FusedDecode):
+    # fp32 too: the stack's kernels (packed linears, norms, rotary, paged attention) are the
+    # ones the layers call in fp32, so it is bit-equal to them there as well.
+    DTYPES = (torch.bfloat16, torch.float32)
+
     def __init__(self, layers: list[DecoderLayer], kernels) -> None:
         self._kernels = kernels
         attn0 = layers[0].self_attn
@@ -117,7 +126,8 @@ class LlamaFusedDecode(FusedDecode):
         return (type(attn) is LlamaAttention and attn.q_norm is None
                 and type(attn.attn) is Attention and _packed(attn.qkv_proj, attn.o_proj)
                 and _swiglu(getattr(layer, layer.mlp_name))
-                and _bf16_norms(layer.input_layernorm, layer.post_attention_layernorm)
+                and _norms_in(LlamaFusedDecode.DTYPES, layer.input_layernorm,
+                              layer.post_attention_layernorm)
                 and attn.rotary_emb.rotary_dim == attn.head_dim)
 
     @classmethod
@@ -216,7 +226,7 @@ class DeepseekFusedDecode(FusedDecode):
         attention_ok = (
             _packed(*((attn.q_a_proj, attn.q_b_proj) if q_lora else (attn.q_proj,)),
                     attn.kv_a_proj_with_mqa, attn.o_proj)
-            and _bf16_norms(*norms) and attn.mla.w_uk is not None
+            and _norms_in(DeepseekFusedDecode.DTYPES, *norms) and attn.mla.w_uk is not None
             and attn.mla.w_uk.dtype == torch.bfloat16
             and attn.rotary_emb.rotary_dim == attn.qk_rope_head_dim)
         if type(mlp) is LlamaMLP:

@@ -74,10 +74,16 @@ def load_cpu_kernels() -> ModuleType | None:
         return None
 
 
-def reduced_precision_kernels(x: torch.Tensor) -> ModuleType | None:
-    """The kernels for an elementwise op on ``x``, or None for the torch path: only CPU tensors
-    in bf16/fp16. fp32 stays on torch ops so that fp32 outputs keep matching Hugging Face's
-    implementation bit for bit (the tests' numerical oracle)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+# The dtypes the elementwise kernels (norms, rotary, SiLU-and-mul) take. fp32 is among them:
+# it is the serving dtype of CPUs without native bf16, where a decode step's ~35 small torch
+# ops per layer cost more than the kernels' one pass each. Its results are within fp32
+# rounding of the torch reference (not bit-equal: another order of a sum, a polynomial exp).
+ELEMENTWISE_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def elementwise_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The kernels for an elementwise op on ``x``, or None for the torch reference path: CPU
+    tensors of :data:`ELEMENTWISE_KERNEL_DTYPES`, where the kernels are built."""
+    if x.device.type != "cpu" or x.dtype not in ELEMENTWISE_KERNEL_DTYPES:
         return None
     return load_cpu_kernels()

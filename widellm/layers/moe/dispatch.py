@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from widellm.ops.cpu_kernels import reduced_precision_kernels
+from widellm.ops.cpu_kernels import elementwise_kernels
 
 # Marks a (token, slot) pair that must not be computed: padding, or an expert on another rank.
 SKIP_EXPERT_ID = -1
@@ -192,7 +192,7 @@ class LocalDispatcher(MoEDispatcher):
     def combine_launch(self, expert_output: torch.Tensor, handle: DispatchHandle) -> CombineHandle:
         assert isinstance(handle, _LocalDispatchHandle)
         weights = handle.topk_weights
-        kernels = reduced_precision_kernels(expert_output)
+        kernels = elementwise_kernels(expert_output)
         if kernels is not None and expert_output.dtype == handle.out_dtype:
             # One pass over the k rows of each token (the loop below reads and writes an fp32
             # accumulator k times: ~4x the memory traffic at prefill sizes).

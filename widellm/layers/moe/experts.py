@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from widellm.layers.activation import silu_and_mul
-from widellm.ops.cpu_kernels import reduced_precision_kernels
+from widellm.ops.cpu_kernels import elementwise_kernels
 
 
 # Row counts up to this are rounded to a power of two, larger ones to a multiple of it.
@@ -161,7 +161,7 @@ def fused_experts_backend(hidden: torch.Tensor, w13: torch.Tensor) -> str | None
     ``"amx"`` (tile products, fastest at every batch size measured) or ``"avx512_bf16"`` (dot
     products, decode-sized batches only); bf16 only, fp32 and fp16 keep the torch paths.
     """
-    kernels = reduced_precision_kernels(hidden)
+    kernels = elementwise_kernels(hidden)
     if kernels is None or hidden.dtype != torch.bfloat16:
         return None
     num_experts, two_inter, hidden_size = w13.shape
@@ -181,7 +181,7 @@ def fused_experts_forward(
     :func:`grouped_experts_forward`, up to the order of the fp32 sums in each dot product.
     """
     _check_shapes(hidden, expert_ids, w13, w2)
-    kernels = reduced_precision_kernels(hidden)
+    kernels = elementwise_kernels(hidden)
     if kernels is None:
         raise RuntimeError("fused_experts_forward needs widellm's CPU kernels")
     return kernels.fused_experts(

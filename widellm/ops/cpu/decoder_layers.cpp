@@ -14,9 +14,9 @@ using decode_layers::OptTensor;
 using decode_layers::packed_linear;
 using decode_layers::store_rows;
 
-// hidden [T, H] bf16: the embeddings of a decode-only batch; every token is one sequence's
-// decode token (row t of block_table [T, max_blocks] and seq_lens [T], its cache slot
-// slot_mapping[t], its position positions[t]). Per layer i: input/post norm weights [H];
+// hidden [T, H] bf16 or fp32: the embeddings of a decode-only batch; every token is one
+// sequence's decode token (row t of block_table [T, max_blocks] and seq_lens [T], its cache
+// slot slot_mapping[t], its position positions[t]). Per layer i: input/post norm weights [H];
 // packed qkv / o / gate_up / down weights with optional qkv and o biases; kv_caches[i]
 // [2, num_blocks, block_size, Hkv, D]. cos/sin [max_pos, D] fp32 as RotaryEmbedding holds
 // them. Returns (output, residual) of the last layer, as DecoderLayer.forward does.

@@ -61,6 +61,13 @@ inline float sum_squares(const float* x, int64_t n) {
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   s = _mm512_reduce_add_ps(acc);
+#elif defined(WIDELLM_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  s = reduce_add8(acc);
 #endif
   for (; i < n; ++i) s += x[i] * x[i];
   return s;

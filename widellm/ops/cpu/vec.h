@@ -297,6 +297,16 @@ inline void silu_mul_inplace(float* g, const float* u, int64_t n) {
       _mm512_storeu_ps(g + i, _mm512_mul_ps(silu16<T>(_mm512_loadu_ps(g + i)),
                                             _mm512_loadu_ps(u + i)));
   }
+#elif defined(WIDELLM_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    // fp32 only (no bf16 rounding on these CPUs' paths): x / (1 + e^-x), divided exactly.
+    for (; i + 8 <= n; i += 8) {
+      const __m256 x = _mm256_loadu_ps(g + i);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+      const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.f), e);
+      _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, d), _mm256_loadu_ps(u + i)));
+    }
+  }
 #endif
   for (; i < n; ++i) g[i] = round_to<T>(g[i] / (1.f + std::exp(-g[i]))) * u[i];
 }
