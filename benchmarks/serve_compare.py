@@ -91,13 +91,15 @@ def run_engine(name: str, args: argparse.Namespace, tag: str = "") -> dict:
     results = {"command": " ".join(cmd)}
     try:
         wait_healthy(url, proc)
-        for c in args.concurrency:
+        for i, c in enumerate(args.concurrency):
             out = os.path.join(args.out_dir, f"{name}{tag}-c{c}.json")
+            # Each concurrency level its own prompts (the same on every engine): they run on
+            # one server, whose prefix cache would otherwise serve the later levels' prompts.
             bench = [sys.executable, "-m", "widellm.bench.serve", "--base-url", url,
                      "--model", "bench", "--tokenizer", args.model, "--input-len",
                      str(args.input_len), "--output-len", str(args.output_len),
                      "--num-prompts", str(args.num_prompts), "--max-concurrency", str(c),
-                     "--output-json", out, "--disable-tqdm"]
+                     "--seed", str(args.seed + i), "--output-json", out, "--disable-tqdm"]
             subprocess.run(bench, check=True)
             with open(out) as f:
                 results[f"c{c}"] = json.load(f)
@@ -142,6 +144,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0,
+                   help="prompt seed of the first concurrency level; level i uses seed + i")
     p.add_argument("--dtype", default="auto",
                    help="passed to both servers; auto: widellm's choice for this CPU (bf16 with "
                         "native bf16 matmuls, else float32), named explicitly to both, since "
