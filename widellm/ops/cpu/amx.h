@@ -10,7 +10,7 @@
 
 #include "vec.h"
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <cstring>

@@ -1,4 +1,9 @@
 // The Python module of widellm's CPU kernels (built by widellm/ops/cpu_kernels.py).
+// Only this file includes torch/extension.h (pybind11 and all of libtorch's C++ API): it
+// alone took ~57 s of the ~60 s that each kernel file took to compile on a 2-core AVX2 VM, so
+// the kernels include the lighter torch/types.h (~19 s).
+#include <torch/extension.h>
+
 #include "ops.h"
 
 // The compute kernels run without the GIL (they touch no Python object): with async

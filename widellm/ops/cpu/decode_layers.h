@@ -1,9 +1,10 @@
 // Helpers of the one-call decode paths (decoder_layers.cpp, deepseek_decode_layers.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 
 #include <cstring>
 #include <string>

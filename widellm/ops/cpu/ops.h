@@ -2,7 +2,7 @@
 // one-call decode stacks (decoder_layers.cpp, deepseek_decode_layers.cpp) call them.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <string>
 #include <vector>

@@ -4,7 +4,7 @@
 // cores), plain loops otherwise.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <algorithm>
 #include <cmath>
