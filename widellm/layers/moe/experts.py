@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from widellm.layers.activation import silu_and_mul
-from widellm.ops.cpu_kernels import elementwise_kernels
+from widellm.ops.cpu_kernels import load_cpu_kernels
 
 
 # Row counts up to this are rounded to a power of two, larger ones to a multiple of it.
@@ -155,14 +155,21 @@ def prefers_masked_layout(expert_ids: torch.Tensor, num_experts: int) -> bool:
 DOT_KERNEL_MAX_ROWS_PER_EXPERT = 8
 
 
+def _fused_experts_kernels(hidden: torch.Tensor):
+    """widellm's CPU kernels for rows the fused experts kernel takes (bf16 on CPU), else None."""
+    if hidden.device.type != "cpu" or hidden.dtype != torch.bfloat16:
+        return None
+    return load_cpu_kernels()
+
+
 def fused_experts_backend(hidden: torch.Tensor, w13: torch.Tensor) -> str | None:
     """The CPU kernel path :func:`experts_forward` takes for these rows, or None for torch's.
 
     ``"amx"`` (tile products, fastest at every batch size measured) or ``"avx512_bf16"`` (dot
     products, decode-sized batches only); bf16 only, fp32 and fp16 keep the torch paths.
     """
-    kernels = elementwise_kernels(hidden)
-    if kernels is None or hidden.dtype != torch.bfloat16:
+    kernels = _fused_experts_kernels(hidden)
+    if kernels is None:
         return None
     num_experts, two_inter, hidden_size = w13.shape
     backend = kernels.fused_experts_backend(hidden_size, two_inter // 2)
@@ -181,9 +188,9 @@ def fused_experts_forward(
     :func:`grouped_experts_forward`, up to the order of the fp32 sums in each dot product.
     """
     _check_shapes(hidden, expert_ids, w13, w2)
-    kernels = elementwise_kernels(hidden)
+    kernels = _fused_experts_kernels(hidden)
     if kernels is None:
-        raise RuntimeError("fused_experts_forward needs widellm's CPU kernels")
+        raise RuntimeError("fused_experts_forward needs widellm's CPU kernels and bf16 rows")
     return kernels.fused_experts(
         hidden.contiguous(), expert_ids.contiguous(), w13.contiguous(), w2.contiguous()
     )
