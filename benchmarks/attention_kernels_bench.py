@@ -5,10 +5,11 @@ Decode: ``paged_decode_attention`` on bf16 caches, its AVX512-BF16 path (where t
 against its fp32 vector path (``bf16_dot=False``) and the gather + SDPA form; and on fp32
 caches (the dtype of CPUs without native bf16), the vector path against gather + SDPA; with
 30 layers' worth of caches visited in turn (as a decode step does, so the cache does not stay
-in L3). Prefill: the AMX causal kernel
-with every prompt in one ``prefill_attention_batch`` call (as the layers call it) and one
-``prefill_attention`` call per prompt, against torch SDPA (the layers' reference path), for
-SmolLM2 prompts and for MLA's expanded prefill shape (deepseek-v3-small: 16 heads, 192 / 128)::
+in L3). Prefill: the causal kernel (its AMX path where the CPU has AMX, and its AVX512-BF16
+vector path, ``allow_amx=False``) with every prompt in one ``prefill_attention_batch`` call
+(as the layers call it) and one ``prefill_attention`` call per prompt, against torch SDPA
+(the layers' reference path), for SmolLM2 prompts and for MLA's expanded prefill shape
+(deepseek-v3-small: 16 heads, 192 / 128)::
 
     .venv/bin/python benchmarks/attention_kernels_bench.py [--output-json FILE]
 
@@ -81,12 +82,13 @@ def prefill_cases(args, kernels) -> list[dict]:
         o_all = torch.empty(n * L, H, dv, dtype=torch.bfloat16)
         starts = [i * L for i in range(n + 1)]
 
-        def kernel():  # one call per prompt
+        def kernel(allow_amx=True):  # one call per prompt
             for q, k, v in zip(qs, ks, vs):
-                kernels.prefill_attention(q, k, v, o, dk ** -0.5)
+                kernels.prefill_attention(q, k, v, o, dk ** -0.5, allow_amx=allow_amx)
 
-        def batch():  # every prompt in one call, as the layers call it
-            kernels.prefill_attention_batch(q_all, o_all, ks, vs, starts, dk ** -0.5)
+        def batch(allow_amx=True):  # every prompt in one call, as the layers call it
+            kernels.prefill_attention_batch(q_all, o_all, ks, vs, starts, dk ** -0.5,
+                                            allow_amx=allow_amx)
 
         def sdpa():  # as the layers call it: causal, GQA in SDPA (MLA pads v to dk)
             for q, k, v in zip(qs, ks, vs):
@@ -97,8 +99,10 @@ def prefill_cases(args, kernels) -> list[dict]:
                     v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=dk ** -0.5,
                     enable_gqa=True)
 
-        times = best_ms({"amx_batch": batch, "amx_per_prompt": kernel, "sdpa": sdpa}, args.iters,
-                        args.repeats)
+        fns = {"vector_batch": lambda: batch(False), "vector_per_prompt": lambda: kernel(False)}
+        if kernels.prefill_attention_backend(dk, dv) == "amx":
+            fns = {"amx_batch": batch, "amx_per_prompt": kernel, **fns}
+        times = best_ms({**fns, "sdpa": sdpa}, args.iters, args.repeats)
         out.append({"kernel": "prefill_attention", "prompts": n, "len": L, "heads": H,
                     "kv_heads": Hkv, "dk": dk, "dv": dv, "ms": times})
         print(f"prefill {n:3d} x {L:5d} H={H:2d}/{Hkv:2d} d={dk}/{dv} " + times_text(times),

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from widellm.layers.moe.experts import (
-    experts_forward, fused_experts_backend, fused_experts_forward, reference_experts_forward,
+    DOT_KERNEL_MAX_ROWS_PER_EXPERT, experts_forward, fused_experts_backend, fused_experts_forward,
+    reference_experts_forward,
 )
 
 pytestmark = pytest.mark.usefixtures("kernels")
@@ -66,6 +67,12 @@ def test_fused_experts_empty_and_skipped_rows(kernels):
 def test_experts_forward_takes_the_kernel_for_bf16_only(kernels):
     backend = _backend_or_skip(kernels, 64, 32)
     hidden, expert_ids, w13, w2 = _case(64, 32)
+    # Past a few rows per expert only AMX keeps the kernel; the dot-product path gives way to
+    # the grouped matmuls.
+    assert fused_experts_backend(hidden.repeat(2, 1), w13) == (
+        "amx" if backend == "amx" else None)
+    rows = DOT_KERNEL_MAX_ROWS_PER_EXPERT * NUM_EXPERTS
+    hidden, expert_ids = hidden[:rows], expert_ids[:rows]
     assert fused_experts_backend(hidden, w13) == backend
     assert torch.equal(experts_forward(hidden, expert_ids, w13, w2),
                        fused_experts_forward(hidden, expert_ids, w13, w2))

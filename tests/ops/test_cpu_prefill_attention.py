@@ -1,5 +1,6 @@
-"""The AMX causal prefill kernel against its torch twin (SDPA with the causal mask) and an
-fp64 ground truth, on the strided views the layers hand it."""
+"""The causal prefill kernel (AMX tiles, and the AVX512-BF16 vector path that CPUs without AMX
+take) against its torch twin (SDPA with the causal mask) and an fp64 ground truth, on the
+strided views the layers hand it. Every test runs once per path this CPU has."""
 
 from __future__ import annotations
 
@@ -21,11 +22,34 @@ def _views(L, Lq, H, Hkv, dk, dv, seed):
     return q, k, v
 
 
-def _kernels(dk, dv):
+class _Path:
+    """The kernels' prefill entry points pinned to one path: AMX, or the vector path
+    (``allow_amx=False``, which is what an AVX512-BF16 CPU without AMX runs)."""
+
+    def __init__(self, kernels, allow_amx):
+        self.kernels, self.allow_amx = kernels, allow_amx
+
+    def prefill_attention(self, *args):
+        self.kernels.prefill_attention(*args, allow_amx=self.allow_amx)
+
+    def prefill_attention_batch(self, *args):
+        self.kernels.prefill_attention_batch(*args, allow_amx=self.allow_amx)
+
+
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def path(request):
+    """Which path the test's kernels calls take; skipped where this CPU lacks it."""
+    return request.param
+
+
+def _kernels(path, dk, dv):
     kernels = prefill_attention_kernels(torch.empty(0, dtype=torch.bfloat16), dk, dv)
     if kernels is None:
-        pytest.skip("this CPU has no AMX: the layers take the SDPA path")
-    return kernels
+        pytest.skip("this CPU has neither AMX nor AVX512-BF16: the layers take the SDPA path")
+    backend = kernels.prefill_attention_backend(dk, dv)
+    if path == "amx" and backend != "amx":
+        pytest.skip("this CPU has no AMX")
+    return _Path(kernels, allow_amx=path == "amx")
 
 
 # Whole prompts and chunks after a cached prefix (L > Lq); query counts on and off 16; group
@@ -34,8 +58,8 @@ def _kernels(dk, dv):
     (256, 256, 9, 3, 64, 64), (37, 37, 4, 2, 32, 32), (100, 20, 6, 1, 64, 96),
     (50, 1, 2, 2, 128, 128), (70, 70, 4, 4, 192, 128), (333, 17, 2, 1, 64, 64),
 ])
-def test_kernel_matches_fp64_and_sdpa(L, Lq, H, Hkv, dk, dv):
-    kernels = _kernels(dk, dv)
+def test_kernel_matches_fp64_and_sdpa(path, L, Lq, H, Hkv, dk, dv):
+    kernels = _kernels(path, dk, dv)
     q, k, v = _views(L, Lq, H, Hkv, dk, dv, seed=L + dk)
     out = torch.full((Lq, H, dv), float("nan"), dtype=torch.bfloat16)
     kernels.prefill_attention(q, k, v, out, dk ** -0.5)
@@ -47,16 +71,16 @@ def test_kernel_matches_fp64_and_sdpa(L, Lq, H, Hkv, dk, dv):
     torch.testing.assert_close(out.double(), twin.double(), atol=2e-2, rtol=2e-2)
 
 
-def test_first_query_of_a_prompt_sees_only_itself():
-    kernels = _kernels(64, 64)
+def test_first_query_of_a_prompt_sees_only_itself(path):
+    kernels = _kernels(path, 64, 64)
     q, k, v = _views(20, 20, 3, 3, 64, 64, seed=3)
     out = torch.empty(20, 3, 64, dtype=torch.bfloat16)
     kernels.prefill_attention(q, k, v, out, 0.125)
     torch.testing.assert_close(out[0], v[0], atol=0, rtol=0)
 
 
-def test_writes_into_a_strided_output_slice():
-    kernels = _kernels(32, 32)
+def test_writes_into_a_strided_output_slice(path):
+    kernels = _kernels(path, 32, 32)
     q, k, v = _views(40, 40, 2, 1, 32, 32, seed=4)
     buf = torch.zeros(60, 2, 32, dtype=torch.bfloat16)
     kernels.prefill_attention(q, k, v, buf[10:50], 0.2)
@@ -65,8 +89,8 @@ def test_writes_into_a_strided_output_slice():
     torch.testing.assert_close(buf[10:50].double(), expected, atol=1.5e-2, rtol=1e-2)
 
 
-def test_rejects_bad_shapes():
-    kernels = _kernels(32, 32)
+def test_rejects_bad_shapes(path):
+    kernels = _kernels(path, 32, 32)
     q, k, v = _views(10, 10, 4, 2, 32, 32, seed=5)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         kernels.prefill_attention(q, k[:5], v[:5], torch.empty(10, 4, 32, dtype=torch.bfloat16),
@@ -78,11 +102,11 @@ def test_rejects_bad_shapes():
 
 # Llama-family GQA, and MLA's expanded prefill (one KV head per query head, 192 / 128).
 @pytest.mark.parametrize("H,Hkv,dk,dv", [(6, 2, 64, 64), (4, 4, 192, 128)])
-def test_batch_of_chunks_equals_one_call_per_chunk(H, Hkv, dk, dv):
+def test_batch_of_chunks_equals_one_call_per_chunk(path, H, Hkv, dk, dv):
     """A step's chunks in one call, after two decode rows it must not touch: whole prompts,
     chunks after a cached prefix, a one-token chunk, lengths on and off 16. Each chunk's
     rows equal (bit for bit) the one-chunk call and are close to the fp64 ground truth."""
-    kernels = _kernels(dk, dv)
+    kernels = _kernels(path, dk, dv)
     # (context length, query count)
     shapes = [(37, 37), (300, 44), (128, 128), (50, 1), (16, 16), (290, 290)]
     decodes = 2
@@ -107,8 +131,8 @@ def test_batch_of_chunks_equals_one_call_per_chunk(H, Hkv, dk, dv):
         torch.testing.assert_close(out[a:b].double(), truth, atol=1.5e-2, rtol=1e-2)
 
 
-def test_batch_rejects_mismatched_lists():
-    kernels = _kernels(32, 32)
+def test_batch_rejects_mismatched_lists(path):
+    kernels = _kernels(path, 32, 32)
     q, k, v = _views(10, 10, 4, 2, 32, 32, seed=5)
     out = torch.empty(10, 4, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="query_start_loc"):

@@ -9,9 +9,10 @@ multiplies the bf16 rows as they are stored (AVX512-BF16 dot products) and round
 probabilities to bf16, as torch's CPU flash attention does. Where the kernels cannot be built
 (see :mod:`widellm.ops.cpu_kernels`) callers use the reference path.
 
-Causal prefill attention of a step's prompt chunks in bf16 runs in an AMX kernel, all chunks
-in one call (``cpu/prefill_attention.cpp``; SmolLM2's heads: ~1.7x torch SDPA at 128-256
-tokens, ~1.3x at 2,048) where :func:`prefill_attention_kernels` finds it;
+Causal prefill attention of a step's prompt chunks in bf16 runs in one kernel call for all
+chunks (``cpu/prefill_attention.cpp``): AMX tiles where the CPU has them (SmolLM2's heads:
+~1.7x torch SDPA at 128-256 tokens, ~1.3x at 2,048), AVX512-BF16 dot products on the same
+packing elsewhere (AMD Zen 4/5), where :func:`prefill_attention_kernels` finds either;
 :func:`prefill_attention_reference` is its twin, per chunk.
 """
 
@@ -63,8 +64,9 @@ def paged_decode_attention_reference(
 
 
 def prefill_attention_kernels(q: torch.Tensor, head_size: int, v_head_size: int):
-    """The kernels module when its causal prefill kernel runs for ``q`` (bf16 on CPU, AMX,
-    head sizes multiples of 32), else None: callers then take their torch SDPA path."""
+    """The kernels module when its causal prefill kernel runs for ``q`` (bf16 on CPU, AMX or
+    AVX512-BF16, head sizes multiples of 32), else None: callers then take their torch SDPA
+    path."""
     if q.dtype != torch.bfloat16 or q.device.type != "cpu":
         return None
     kernels = load_cpu_kernels()

@@ -6,6 +6,10 @@
 // each expert's weight meets a few rows and reading it once is all the time there is. The
 // attention kernels (mla_decode.cpp, prefill_attention.cpp) interleave value rows into the
 // pair layout with interleave_rows.
+//
+// The pair layout and its packing helpers (kTile, packed_at, pack_row, interleave_rows) exist
+// on AVX-512 CPUs without AMX too: a 512-bit register holds one packed row of 16 bf16 pairs,
+// the operand of AVX512-BF16's vdpbf16ps, so vector kernels read the same packing.
 #pragma once
 
 #include "vec.h"
@@ -26,9 +30,33 @@
 
 namespace widellm_cpu {
 
-#if WIDELLM_HAS_AMX
+#if defined(__AVX512F__)
 constexpr int64_t kTile = 16;      // rows of every tile; 16 fp32 or 16 bf16 pairs per tile row
 constexpr int64_t kTileK = 32;     // k of one tile product
+
+// Offset of x[m][k] in a chunk of 16 rows packed as AMX's B operand: [K / 2][16][2].
+inline int64_t packed_at(int64_t m, int64_t k) { return ((k >> 1) * kTile + m) * 2 + (k & 1); }
+
+// Row m (< 16) of a packed chunk <- src[:K] (K even).
+inline void pack_row(const at::BFloat16* src, int64_t K, at::BFloat16* chunk, int64_t m) {
+  for (int64_t k = 0; k < K; k += 2)
+    std::memcpy(chunk + packed_at(m, k), src + k, 2 * sizeof(at::BFloat16));
+}
+
+// dst[p][n][0..1] = (src0[n], src1[n]) for n < D: two value rows interleaved into one row of
+// AMX's B layout over tokens (D a multiple of 32).
+inline void interleave_rows(const at::BFloat16* src0, const at::BFloat16* src1, int64_t D,
+                            at::BFloat16* dst) {
+  for (int64_t n = 0; n < D; n += 32) {
+    __m512i lo, hi;
+    interleave_pairs(_mm512_loadu_si512(src0 + n), _mm512_loadu_si512(src1 + n), lo, hi);
+    _mm512_storeu_si512(dst + 2 * n, lo);
+    _mm512_storeu_si512(dst + 2 * n + 32, hi);
+  }
+}
+#endif
+
+#if WIDELLM_HAS_AMX
 constexpr int64_t kTileCols = 32;  // weight rows of one amx_rows32 call (two result tiles)
 
 // Linux hands out AMX state only to a process that asks for it (once per process); false
@@ -66,15 +94,6 @@ struct TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
-// Offset of x[m][k] in a chunk of 16 rows packed as AMX's B operand: [K / 2][16][2].
-inline int64_t packed_at(int64_t m, int64_t k) { return ((k >> 1) * kTile + m) * 2 + (k & 1); }
-
-// Row m (< 16) of a packed chunk <- src[:K] (K even).
-inline void pack_row(const at::BFloat16* src, int64_t K, at::BFloat16* chunk, int64_t m) {
-  for (int64_t k = 0; k < K; k += 2)
-    std::memcpy(chunk + packed_at(m, k), src + k, 2 * sizeof(at::BFloat16));
-}
-
 // out[n][m] ([32][16] fp32) = sum_k w[n * ldw + k] * chunk[m][k] for the 32 weight rows at w;
 // K a multiple of 32. Needs a TileScope.
 inline void amx_rows32(const at::BFloat16* w, int64_t ldw, const at::BFloat16* chunk, int64_t K,
@@ -100,18 +119,6 @@ inline void tile_column(const float* tile, int64_t m, float* dst) {
       _mm512_set1_epi32(static_cast<int>(kTile)));
   _mm512_storeu_ps(dst, _mm512_i32gather_ps(rows, tile + m, sizeof(float)));
   _mm512_storeu_ps(dst + kTile, _mm512_i32gather_ps(rows, tile + kTile * kTile + m, sizeof(float)));
-}
-
-// dst[p][n][0..1] = (src0[n], src1[n]) for n < D: two value rows interleaved into one row of
-// AMX's B layout over tokens (D a multiple of 32).
-inline void interleave_rows(const at::BFloat16* src0, const at::BFloat16* src1, int64_t D,
-                            at::BFloat16* dst) {
-  for (int64_t n = 0; n < D; n += 32) {
-    __m512i lo, hi;
-    interleave_pairs(_mm512_loadu_si512(src0 + n), _mm512_loadu_si512(src1 + n), lo, hi);
-    _mm512_storeu_si512(dst + 2 * n, lo);
-    _mm512_storeu_si512(dst + 2 * n + 32, hi);
-  }
 }
 #endif
 

@@ -30,14 +30,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether mla_decode_attention runs for (block_size, head_size, v_head_size) here");
   m.def("mla_decode_attention", &mla_decode_attention, ReleaseGil(),
         "MLA decode attention over the paged latent cache, bf16 (CPU, AMX)");
+  m.def("prefill_attention_backend", &prefill_attention_backend,
+        "Path of prefill_attention for (head_size, v_head_size): amx, avx512_bf16 or none");
   m.def("prefill_attention_supported", &prefill_attention_supported,
         "Whether prefill_attention runs for (head_size, v_head_size) here");
-  m.def("prefill_attention", &prefill_attention, ReleaseGil(),
-        "Causal attention of one prompt chunk into out, bf16 (CPU, AMX)");
-  m.def("prefill_attention_batch", &prefill_attention_batch, ReleaseGil(),
-        "Causal attention of a step's prompt chunks into out in one call, bf16 (CPU, AMX)",
+  m.def("prefill_attention", &prefill_attention,
+        "Causal attention of one prompt chunk into out, bf16 (CPU, AMX or AVX512-BF16); "
+        "allow_amx=False takes the vector path (tests compare the two)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("scale"),
+        py::arg("allow_amx") = true, ReleaseGil());
+  m.def("prefill_attention_batch", &prefill_attention_batch,
+        "Causal attention of a step's prompt chunks into out in one call, bf16 (CPU, AMX or "
+        "AVX512-BF16); allow_amx=False takes the vector path",
         py::arg("q"), py::arg("out"), py::arg("k"), py::arg("v"), py::arg("query_start_loc"),
-        py::arg("scale"));
+        py::arg("scale"), py::arg("allow_amx") = true, ReleaseGil());
   m.def("moe_combine", &moe_combine, ReleaseGil(),
         "sum_j weights[t, j] * y[t * k + j] in fp32, rounded once (CPU)");
   m.def("fused_experts_backend", &fused_experts_backend,

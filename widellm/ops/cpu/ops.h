@@ -26,12 +26,13 @@ bool mla_decode_supported(int64_t block_size, int64_t head_size, int64_t v_head_
 torch::Tensor mla_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
                                    torch::Tensor seq_lens, int64_t v_head_size, double scale);
 
+std::string prefill_attention_backend(int64_t head_size, int64_t v_head_size);
 bool prefill_attention_supported(int64_t head_size, int64_t v_head_size);
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
-                       double scale);
+                       double scale, bool allow_amx);
 void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<torch::Tensor> k,
                              std::vector<torch::Tensor> v, std::vector<int64_t> query_start_loc,
-                             double scale);
+                             double scale, bool allow_amx);
 
 torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights);
 

@@ -1,4 +1,4 @@
-// Causal attention of prompt chunks with AMX tiles (bf16):
+// Causal attention of prompt chunks with AMX tiles or AVX512-BF16 dot products (bf16):
 //   prefill_attention_batch(q [T, H, Dk], out [T, H, Dv], k[i] [L_i, Hkv, Dk],
 //                           v[i] [L_i, Hkv, Dv], query_start_loc [n + 1], scale)
 //   out[q0 + i, n] = softmax_j(scale * q[q0 + i, n] . k[j, n / G]) v[j, n / G],
@@ -24,6 +24,11 @@
 // One call for all of a step's chunks: a call per chunk cost ~10-15 us of set-up and thread
 // wake-up each, and split 128-token prompts so finely that two threads were barely faster
 // than one.
+//
+// CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5) run the same steps on the same packing
+// with vdpbf16ps: a packed key row of 16 pairs, or a row of 16 value pairs, is one 512-bit
+// operand, met by a query pair (scores) or a probability pair (values) broadcast to every lane;
+// 4 query rows x 64 keys or columns accumulate in 16 registers.
 #include "amx.h"
 #include "vec.h"
 
@@ -33,6 +38,8 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -40,8 +47,10 @@ namespace {
 using namespace widellm_cpu;
 using bf16 = at::BFloat16;
 
-#if WIDELLM_HAS_AMX
+#if defined(__AVX512BF16__)
 constexpr int64_t kPackChunk = 256;  // keys per packing task
+constexpr int kGroupRows = 4;        // query rows the vector path accumulates together
+constexpr int kGroupVectors = 4;     // 16-wide key or value-column vectors per pass
 
 struct RowView {
   const bf16* data;
@@ -100,6 +109,125 @@ struct BlockScratch {
   float inv_sum[kTile];       // 1 / the sum of each query row's exps
 };
 
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// The bf16 pair p[0..1] in every lane.
+inline __m512bh pair_at(const bf16* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return as_bh(_mm512_set1_epi32(bits));
+}
+
+// scores[r][k0 + j] (row stride lds) <- q row r . key k0 + j for r < kR, j < 16 * kC: kR query
+// rows (row stride q_stride) against kC packed 16-key chunks from k0 (a multiple of 16).
+template <int kR, int kC>
+void score_vectors(const bf16* q, int64_t q_stride, const bf16* k_packed, int64_t k0, int64_t Dk,
+                   float* scores, int64_t lds) {
+  __m512 acc[kR][kC];
+  for (int r = 0; r < kR; ++r)
+    for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_setzero_ps();
+  const bf16* chunk = k_packed + k0 * Dk;  // a 16-key chunk is [Dk / 2][16][2]
+  for (int64_t d = 0; d < Dk; d += 2) {
+    __m512bh keys[kC];
+    for (int c = 0; c < kC; ++c)
+      keys[c] = as_bh(_mm512_loadu_si512(chunk + c * kTile * Dk + d * kTile));
+    for (int r = 0; r < kR; ++r) {
+      const __m512bh pair = pair_at(q + r * q_stride + d);
+      for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, keys[c]);
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(scores + r * lds + k0 + c * kTile, acc[r][c]);
+}
+
+// score_vectors over keys [0, keys rounded up to 16) for kR query rows.
+template <int kR>
+void score_rows(const bf16* q, int64_t q_stride, const bf16* k_packed, int64_t keys, int64_t Dk,
+                float* scores, int64_t lds) {
+  const int64_t K16 = (keys + kTile - 1) / kTile * kTile;
+  int64_t k0 = 0;
+  for (; k0 + kGroupVectors * kTile <= K16; k0 += kGroupVectors * kTile)
+    score_vectors<kR, kGroupVectors>(q, q_stride, k_packed, k0, Dk, scores, lds);
+  switch ((K16 - k0) / kTile) {
+    case 3: score_vectors<kR, 3>(q, q_stride, k_packed, k0, Dk, scores, lds); break;
+    case 2: score_vectors<kR, 2>(q, q_stride, k_packed, k0, Dk, scores, lds); break;
+    case 1: score_vectors<kR, 1>(q, q_stride, k_packed, k0, Dk, scores, lds); break;
+    default: break;
+  }
+}
+
+// The vector path's scores of a block: rows [0, n) of queries at positions p0 + r, each group
+// of rows up to its last row's causal prefix.
+void score_block_vectors(const bf16* q, int64_t q_stride, int64_t n, int64_t p0,
+                         const bf16* k_packed, int64_t Dk, float* scores, int64_t lds) {
+  int64_t r = 0;
+  for (; r + kGroupRows <= n; r += kGroupRows)
+    score_rows<kGroupRows>(q + r * q_stride, q_stride, k_packed, p0 + r + kGroupRows, Dk,
+                           scores + r * lds, lds);
+  const bf16* qr = q + r * q_stride;
+  float* sr = scores + r * lds;
+  switch (n - r) {
+    case 3: score_rows<3>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
+    case 2: score_rows<2>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
+    case 1: score_rows<1>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
+    default: break;
+  }
+}
+
+// out rows [0, kR) (row stride out_row), columns [c0, c0 + 16 * kC) <- row_scale[r] *
+// (probs rows (row stride ldp) x value pairs) over positions [0, K2), K2 even.
+template <int kR, int kC>
+void value_vectors(const bf16* probs, int64_t ldp, int64_t K2, const bf16* v_pairs, int64_t Dv,
+                   int64_t c0, const float* row_scale, bf16* out, int64_t out_row) {
+  __m512 acc[kR][kC];
+  for (int r = 0; r < kR; ++r)
+    for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < K2; l += 2) {
+    const bf16* pairs = v_pairs + l * Dv + 2 * c0;  // row l / 2 of [L / 2][Dv][2]
+    __m512bh values[kC];
+    for (int c = 0; c < kC; ++c) values[c] = as_bh(_mm512_loadu_si512(pairs + c * 2 * kTile));
+    for (int r = 0; r < kR; ++r) {
+      const __m512bh p = pair_at(probs + r * ldp + l);
+      for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p, values[c]);
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int c = 0; c < kC; ++c)
+      store_bf16(out + r * out_row + c0 + c * kTile,
+                 _mm512_mul_ps(acc[r][c], _mm512_set1_ps(row_scale[r])));
+}
+
+// value_vectors over every column (Dv a multiple of 32) for kR rows whose causal prefixes end
+// before `keys`.
+template <int kR>
+void value_rows(const bf16* probs, int64_t ldp, int64_t keys, const bf16* v_pairs, int64_t Dv,
+                const float* row_scale, bf16* out, int64_t out_row) {
+  const int64_t K2 = (keys + 1) / 2 * 2;
+  int64_t c0 = 0;
+  for (; c0 + kGroupVectors * kTile <= Dv; c0 += kGroupVectors * kTile)
+    value_vectors<kR, kGroupVectors>(probs, ldp, K2, v_pairs, Dv, c0, row_scale, out, out_row);
+  if (c0 < Dv) value_vectors<kR, 2>(probs, ldp, K2, v_pairs, Dv, c0, row_scale, out, out_row);
+}
+
+// The vector path's output rows [0, n) of a block (queries at positions p0 + r).
+void value_block_vectors(const bf16* probs, int64_t ldp, int64_t n, int64_t p0,
+                         const bf16* v_pairs, int64_t Dv, const float* row_scale, bf16* out,
+                         int64_t out_row) {
+  int64_t r = 0;
+  for (; r + kGroupRows <= n; r += kGroupRows)
+    value_rows<kGroupRows>(probs + r * ldp, ldp, p0 + r + kGroupRows, v_pairs, Dv,
+                           row_scale + r, out + r * out_row, out_row);
+  const bf16* pr = probs + r * ldp;
+  bf16* orow = out + r * out_row;
+  switch (n - r) {
+    case 3: value_rows<3>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
+    case 2: value_rows<2>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
+    case 1: value_rows<1>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
+    default: break;
+  }
+}
+
+#if WIDELLM_HAS_AMX
 // out rows [0, n) (n <= 16) <- row_scale[r] * (probs [16][K32] (row stride ldp) x value
 // pairs), columns [c0, c0 + 16 * kTiles).
 template <int kTiles>
@@ -185,9 +313,12 @@ void score_tiles(const bf16* q, int64_t q_stride, const bf16* k_packed, int64_t 
   }
 }
 
+#endif  // WIDELLM_HAS_AMX
+
 // Queries [i0, i0 + n) of one query head (q rows from that head's first value, out likewise),
-// whose first is at position p0; keys of its KV head packed. Needs a TileScope.
-void attend_block(RowView q, int64_t i0, int64_t n, int64_t p0, const bf16* k_packed,
+// whose first is at position p0; keys of its KV head packed. amx: tile products (needs a
+// TileScope), else AVX512-BF16 vectors.
+void attend_block(bool amx, RowView q, int64_t i0, int64_t n, int64_t p0, const bf16* k_packed,
                   const bf16* v_pairs, int64_t Dk, int64_t Dv, float scale, bf16* out,
                   int64_t out_row, BlockScratch& s) {
   const int64_t keys = p0 + n;  // the last query sees positions [0, p0 + n)
@@ -197,23 +328,29 @@ void attend_block(RowView q, int64_t i0, int64_t n, int64_t p0, const bf16* k_pa
   // fall in one L1 set (16 rows of a tile, 12 ways), which made 2,048-token prompts slower.
   const int64_t lds = K16 + kTile, ldp = K32 + kTileK;
   const bf16* qa = q.data + i0 * q.row;
-  int64_t q_stride = q.row;
-  if (n < kTile) {  // the tile load reads 16 rows: stage the last block's rows
-    s.q_rows.resize(kTile * Dk);
-    zero_bf16(s.q_rows.data() + n * Dk, (kTile - n) * Dk);
-    for (int64_t r = 0; r < n; ++r) std::copy_n(qa + r * q.row, Dk, s.q_rows.data() + r * Dk);
-    qa = s.q_rows.data();
-    q_stride = Dk;
-  }
-
-  // Scores [query][key], one 16 x 16 tile per 16 keys.
   s.scores.resize(kTile * lds);
-  switch (Dk / kTileK) {
-    case 1: score_tiles<1>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
-    case 2: score_tiles<2>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
-    case 3: score_tiles<3>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
-    case 4: score_tiles<4>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
-    default: score_tiles<0>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds);
+#if WIDELLM_HAS_AMX
+  if (amx) {
+    int64_t q_stride = q.row;
+    if (n < kTile) {  // the tile load reads 16 rows: stage the last block's rows
+      s.q_rows.resize(kTile * Dk);
+      zero_bf16(s.q_rows.data() + n * Dk, (kTile - n) * Dk);
+      for (int64_t r = 0; r < n; ++r) std::copy_n(qa + r * q.row, Dk, s.q_rows.data() + r * Dk);
+      qa = s.q_rows.data();
+      q_stride = Dk;
+    }
+    // Scores [query][key], one 16 x 16 tile per 16 keys.
+    switch (Dk / kTileK) {
+      case 1: score_tiles<1>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
+      case 2: score_tiles<2>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
+      case 3: score_tiles<3>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
+      case 4: score_tiles<4>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
+      default: score_tiles<0>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds);
+    }
+  } else
+#endif
+  {
+    score_block_vectors(qa, q.row, n, p0, k_packed, Dk, s.scores.data(), lds);
   }
 
   // Softmax of each query over its causal prefix: bf16 exps, zero past it; the division by
@@ -223,29 +360,42 @@ void attend_block(RowView q, int64_t i0, int64_t n, int64_t p0, const bf16* k_pa
     s.inv_sum[r] = 1.f / exp_row(s.scores.data() + r * lds, p0 + r + 1, scale,
                                  s.probs.data() + r * ldp, K32);
 
-  int64_t c0 = 0;
-  for (; c0 + 4 * kTile <= Dv; c0 += 4 * kTile)
-    value_pass<4>(s.probs.data(), K32, ldp, v_pairs, Dv, c0, n, s.inv_sum, out + i0 * out_row,
-                  out_row);
-  if (c0 < Dv)
-    value_pass<2>(s.probs.data(), K32, ldp, v_pairs, Dv, c0, n, s.inv_sum, out + i0 * out_row,
-                  out_row);
+#if WIDELLM_HAS_AMX
+  if (amx) {
+    int64_t c0 = 0;
+    for (; c0 + 4 * kTile <= Dv; c0 += 4 * kTile)
+      value_pass<4>(s.probs.data(), K32, ldp, v_pairs, Dv, c0, n, s.inv_sum, out + i0 * out_row,
+                    out_row);
+    if (c0 < Dv)
+      value_pass<2>(s.probs.data(), K32, ldp, v_pairs, Dv, c0, n, s.inv_sum, out + i0 * out_row,
+                    out_row);
+    return;
+  }
+#endif
+  value_block_vectors(s.probs.data(), ldp, n, p0, v_pairs, Dv, s.inv_sum, out + i0 * out_row,
+                      out_row);
 }
 #endif
 
 }  // namespace
 
-bool prefill_attention_supported(int64_t head_size, int64_t v_head_size) {
+std::string prefill_attention_backend(int64_t head_size, int64_t v_head_size) {
+  if (head_size % 32 != 0 || v_head_size % 32 != 0) return "none";
 #if WIDELLM_HAS_AMX
-  return head_size % kTileK == 0 && v_head_size % kTileK == 0 && amx_ready();
+  if (amx_ready()) return "amx";
+#endif
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
 #else
-  (void)head_size;
-  (void)v_head_size;
-  return false;
+  return "none";
 #endif
 }
 
-#if WIDELLM_HAS_AMX
+bool prefill_attention_supported(int64_t head_size, int64_t v_head_size) {
+  return prefill_attention_backend(head_size, v_head_size) != "none";
+}
+
+#if defined(__AVX512BF16__)
 namespace {
 
 // One prompt chunk of a batch: query rows [q0, q0 + Lq) of q and out, L context positions.
@@ -262,7 +412,7 @@ struct Chunk {
 
 void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<torch::Tensor> k,
                              std::vector<torch::Tensor> v, std::vector<int64_t> query_start_loc,
-                             double scale) {
+                             double scale, bool allow_amx) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3,
               "prefill_attention: q and out must be 3-D [tokens, heads, head_size]");
   const int64_t n = static_cast<int64_t>(k.size());
@@ -291,10 +441,13 @@ void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<tor
                 "prefill_attention: bf16 CPU tensors, each head's values contiguous");
   TORCH_CHECK(n == 0 || (Hkv >= 1 && H % Hkv == 0),
               "prefill_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(prefill_attention_supported(Dk, Dv),
-              "prefill_attention: needs AMX and head sizes that are multiples of 32");
-#if WIDELLM_HAS_AMX
+  const std::string backend = prefill_attention_backend(Dk, Dv);
+  TORCH_CHECK(backend != "none",
+              "prefill_attention: needs AMX or AVX512-BF16 and head sizes that are multiples of "
+              "32");
+#if defined(__AVX512BF16__)
   if (n == 0) return;
+  const bool amx = allow_amx && backend == "amx";
   const int64_t G = H / Hkv;
   std::vector<Chunk> chunks(n);
   int64_t k_total = 0, v_total = 0;
@@ -360,7 +513,10 @@ void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<tor
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    TileScope tiles;
+#if WIDELLM_HAS_AMX
+    std::optional<TileScope> tiles;
+    if (amx) tiles.emplace();
+#endif
     BlockScratch scratch;
     for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
       const auto [i, pair, head] = tasks[t];
@@ -368,7 +524,7 @@ void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<tor
       const int64_t h = head / G;
       auto attend = [&](int64_t b) {
         const int64_t i0 = b * kTile;
-        attend_block({qd + c.q0 * q.stride(0) + head * q.stride(1), q.stride(0)}, i0,
+        attend_block(amx, {qd + c.q0 * q.stride(0) + head * q.stride(1), q.stride(0)}, i0,
                      std::min(kTile, c.Lq - i0), c.L - c.Lq + i0,
                      kp + c.k_packed + h * c.L16 * Dk, vp + c.v_pairs + h * c.L32 * Dv, Dk, Dv,
                      fscale, od + c.q0 * out.stride(0) + head * out.stride(1), out.stride(0),
@@ -382,7 +538,7 @@ void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<tor
 }
 
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
-                       double scale) {
+                       double scale, bool allow_amx) {
   TORCH_CHECK(q.dim() == 3, "prefill_attention: q must be 3-D [tokens, heads, head_size]");
-  prefill_attention_batch(q, out, {k}, {v}, {0, q.size(0)}, scale);  // checks the rest
+  prefill_attention_batch(q, out, {k}, {v}, {0, q.size(0)}, scale, allow_amx);  // checks the rest
 }
