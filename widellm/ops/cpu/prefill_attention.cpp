@@ -28,7 +28,8 @@
 // CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5) run the same steps on the same packing
 // with vdpbf16ps: a packed key row of 16 pairs, or a row of 16 value pairs, is one 512-bit
 // operand, met by a query pair (scores) or a probability pair (values) broadcast to every lane;
-// 4 query rows x 64 keys or columns accumulate in 16 registers.
+// 6 query rows x 64 keys or columns accumulate in 24 of the 32 registers (10% faster than 4
+// rows x 64 for SmolLM2's 16 x 256 prompts on Zen 5).
 #include "amx.h"
 #include "vec.h"
 
@@ -49,7 +50,7 @@ using bf16 = at::BFloat16;
 
 #if defined(__AVX512BF16__)
 constexpr int64_t kPackChunk = 256;  // keys per packing task
-constexpr int kGroupRows = 4;        // query rows the vector path accumulates together
+constexpr int kGroupRows = 6;        // query rows the vector path accumulates together
 constexpr int kGroupVectors = 4;     // 16-wide key or value-column vectors per pass
 
 struct RowView {
@@ -167,6 +168,8 @@ void score_block_vectors(const bf16* q, int64_t q_stride, int64_t n, int64_t p0,
   const bf16* qr = q + r * q_stride;
   float* sr = scores + r * lds;
   switch (n - r) {
+    case 5: score_rows<5>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
+    case 4: score_rows<4>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
     case 3: score_rows<3>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
     case 2: score_rows<2>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
     case 1: score_rows<1>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
@@ -220,6 +223,8 @@ void value_block_vectors(const bf16* probs, int64_t ldp, int64_t n, int64_t p0,
   const bf16* pr = probs + r * ldp;
   bf16* orow = out + r * out_row;
   switch (n - r) {
+    case 5: value_rows<5>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
+    case 4: value_rows<4>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
     case 3: value_rows<3>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
     case 2: value_rows<2>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
     case 1: value_rows<1>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
