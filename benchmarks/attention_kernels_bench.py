@@ -5,13 +5,19 @@ Decode: ``paged_decode_attention`` on bf16 caches, its AVX512-BF16 path (where t
 against its fp32 vector path (``bf16_dot=False``) and the gather + SDPA form; and on fp32
 caches (the dtype of CPUs without native bf16), the vector path against gather + SDPA; with
 30 layers' worth of caches visited in turn (as a decode step does, so the cache does not stay
-in L3). Prefill: the causal kernel (its AMX path where the CPU has AMX, and its AVX512-BF16
-vector path, ``allow_amx=False``) with every prompt in one ``prefill_attention_batch`` call
-(as the layers call it) and one ``prefill_attention`` call per prompt, against torch SDPA
-(the layers' reference path), for SmolLM2 prompts and for MLA's expanded prefill shape
-(deepseek-v3-small: 16 heads, 192 / 128)::
+in L3). Prefill: the causal kernel in bf16 (its AMX path where the CPU has AMX, and its
+AVX512-BF16 vector path, ``allow_amx=False``) and in fp32 (its AVX2 path), with every prompt in
+one ``prefill_attention_batch`` call (as the layers call it) and one ``prefill_attention`` call
+per prompt, against torch SDPA (the layers' reference path), for SmolLM2 prompts and for MLA's
+expanded prefill shape (deepseek-v3-small: 16 heads, 192 / 128)::
 
     .venv/bin/python benchmarks/attention_kernels_bench.py [--output-json FILE]
+
+An AVX2 machine's paths on an AVX-512 one: build the kernels for x86-64-v3 and hold torch's own
+kernels (SDPA) and oneDNN to AVX2 as well::
+
+    WIDELLM_CPU_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        .venv/bin/python benchmarks/attention_kernels_bench.py
 
 Each case: warm-up, then the best of ``--repeats`` means over ``--iters`` calls, paths
 interleaved so the machine's drift hits all of them alike.
@@ -66,7 +72,7 @@ def decode_cases(args, kernels, dtype: torch.dtype, bf16_dot: bool) -> list[dict
     return out
 
 
-def prefill_cases(args, kernels) -> list[dict]:
+def prefill_cases(args, kernels, dtype: torch.dtype) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     out = []
     # (prompts, tokens, heads, kv heads, key size, value size)
@@ -74,12 +80,15 @@ def prefill_cases(args, kernels) -> list[dict]:
                                  (64, 128, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM),
                                  (1, 2048, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM),
                                  (16, 128, 16, 16, 192, 128)):
-        q_all = torch.randn(n * L, H, dk, generator=g).bfloat16()
+        backend = kernels.prefill_attention_backend(dk, dv, dtype)
+        if backend == "none":
+            continue
+        q_all = torch.randn(n * L, H, dk, generator=g).to(dtype)
         qs = list(q_all.split(L))
-        ks = [torch.randn(L, Hkv, dk, generator=g).bfloat16() for _ in range(n)]
-        vs = [torch.randn(L, Hkv, dv, generator=g).bfloat16() for _ in range(n)]
-        o = torch.empty(L, H, dv, dtype=torch.bfloat16)
-        o_all = torch.empty(n * L, H, dv, dtype=torch.bfloat16)
+        ks = [torch.randn(L, Hkv, dk, generator=g).to(dtype) for _ in range(n)]
+        vs = [torch.randn(L, Hkv, dv, generator=g).to(dtype) for _ in range(n)]
+        o = torch.empty(L, H, dv, dtype=dtype)
+        o_all = torch.empty(n * L, H, dv, dtype=dtype)
         starts = [i * L for i in range(n + 1)]
 
         def kernel(allow_amx=True):  # one call per prompt
@@ -100,13 +109,13 @@ def prefill_cases(args, kernels) -> list[dict]:
                     enable_gqa=True)
 
         fns = {"vector_batch": lambda: batch(False), "vector_per_prompt": lambda: kernel(False)}
-        if kernels.prefill_attention_backend(dk, dv) == "amx":
+        if backend == "amx":
             fns = {"amx_batch": batch, "amx_per_prompt": kernel, **fns}
         times = best_ms({**fns, "sdpa": sdpa}, args.iters, args.repeats)
-        out.append({"kernel": "prefill_attention", "prompts": n, "len": L, "heads": H,
-                    "kv_heads": Hkv, "dk": dk, "dv": dv, "ms": times})
-        print(f"prefill {n:3d} x {L:5d} H={H:2d}/{Hkv:2d} d={dk}/{dv} " + times_text(times),
-              flush=True)
+        out.append({"kernel": "prefill_attention", "dtype": str(dtype), "prompts": n, "len": L,
+                    "heads": H, "kv_heads": Hkv, "dk": dk, "dv": dv, "ms": times})
+        print(f"prefill {str(dtype):14s} {n:3d} x {L:5d} H={H:2d}/{Hkv:2d} d={dk}/{dv} "
+              + times_text(times), flush=True)
     return out
 
 
@@ -119,8 +128,8 @@ def main() -> None:
         BLOCK, HEADS // KV_HEADS, HEAD_DIM, HEAD_DIM) == "avx512_bf16"
     results = {"decode": decode_cases(args, kernels, torch.bfloat16, bf16_dot)
                + decode_cases(args, kernels, torch.float32, False)}
-    if kernels.prefill_attention_supported(HEAD_DIM, HEAD_DIM):
-        results["prefill"] = prefill_cases(args, kernels)
+    results["prefill"] = [case for dtype in (torch.bfloat16, torch.float32)
+                          for case in prefill_cases(args, kernels, dtype)]
     if args.output_json:
         write_result_json(args.output_json, results)
 

@@ -9,10 +9,11 @@ multiplies the bf16 rows as they are stored (AVX512-BF16 dot products) and round
 probabilities to bf16, as torch's CPU flash attention does. Where the kernels cannot be built
 (see :mod:`widellm.ops.cpu_kernels`) callers use the reference path.
 
-Causal prefill attention of a step's prompt chunks in bf16 runs in one kernel call for all
-chunks (``cpu/prefill_attention.cpp``): AMX tiles where the CPU has them (SmolLM2's heads:
-~1.7x torch SDPA at 128-256 tokens, ~1.3x at 2,048), AVX512-BF16 dot products on the same
-packing elsewhere (AMD Zen 4/5), where :func:`prefill_attention_kernels` finds either;
+Causal prefill attention of a step's prompt chunks runs in one kernel call for all chunks
+(``cpu/prefill_attention.cpp``): in bf16 with AMX tiles where the CPU has them (SmolLM2's
+heads: ~1.7x torch SDPA at 128-256 tokens, ~1.3x at 2,048), AVX512-BF16 dot products on the
+same packing elsewhere (AMD Zen 4/5); in fp32 (the serving dtype of CPUs without native bf16)
+with AVX2 + FMA. :func:`prefill_attention_kernels` says whether one runs for a tensor;
 :func:`prefill_attention_reference` is its twin, per chunk.
 """
 
@@ -64,13 +65,14 @@ def paged_decode_attention_reference(
 
 
 def prefill_attention_kernels(q: torch.Tensor, head_size: int, v_head_size: int):
-    """The kernels module when its causal prefill kernel runs for ``q`` (bf16 on CPU, AMX or
-    AVX512-BF16, head sizes multiples of 32), else None: callers then take their torch SDPA
-    path."""
-    if q.dtype != torch.bfloat16 or q.device.type != "cpu":
+    """The kernels module when its causal prefill kernel runs for ``q`` (on CPU: bf16 with AMX
+    or AVX512-BF16 and head sizes multiples of 32, or fp32 with AVX2 + FMA and multiples of 8),
+    else None: callers then take their torch SDPA path."""
+    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float32):
         return None
     kernels = load_cpu_kernels()
-    if kernels is None or not kernels.prefill_attention_supported(head_size, v_head_size):
+    if kernels is None or not kernels.prefill_attention_supported(head_size, v_head_size,
+                                                                  q.dtype):
         return None
     return kernels
 

@@ -25,18 +25,26 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = (
     "bindings.cpp", "paged_attention.cpp", "paged_attention_bf16.cpp", "elementwise.cpp",
-    "mla_decode.cpp", "prefill_attention.cpp", "moe.cpp", "decoder_layers.cpp",
-    "deepseek_decode_layers.cpp",
+    "mla_decode.cpp", "prefill_attention.cpp", "prefill_attention_bf16.cpp",
+    "prefill_attention_fp32.cpp", "moe.cpp", "decoder_layers.cpp", "deepseek_decode_layers.cpp",
 )
 ENV_DISABLE = "WIDELLM_CPU_KERNELS"
-# -march=native: AVX-512 intrinsics where this CPU has them, plain loops otherwise.
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The -march the kernels are built for. native: AVX-512 (and AMX) intrinsics where this CPU has
+# them, AVX2 where that is the best it has, plain loops otherwise. Another target builds the
+# paths of another CPU kind, e.g. WIDELLM_CPU_MARCH=x86-64-v3 runs the AVX2 paths (those of AMD
+# Zen 1-3) on an AVX-512 machine, to test or time them there.
+ENV_MARCH = "WIDELLM_CPU_MARCH"
+DEFAULT_MARCH = "native"
+
+
+def cflags() -> list[str]:
+    return ["-O3", f"-march={os.environ.get(ENV_MARCH, DEFAULT_MARCH)}", "-fopenmp"]
 
 
 def _build_tag() -> str:
-    """Short hash of this CPU's feature flags and of every file in ``cpu/``: torch caches an
-    extension by name and the listed sources, so without it a build for another CPU, or one
-    made before a header changed, could be loaded."""
+    """Short hash of this CPU's feature flags, the compiler flags and every file in ``cpu/``:
+    torch caches an extension by name and the listed sources, so without it a build for
+    another CPU or target, or one made before a header changed, could be loaded."""
     try:
         flags = next(
             (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")),
@@ -45,6 +53,7 @@ def _build_tag() -> str:
     except OSError:
         flags = ""
     digest = hashlib.sha1(flags.encode())
+    digest.update(" ".join(cflags()).encode())
     for path in sorted(SOURCE_DIR.iterdir()):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:10]
@@ -63,7 +72,7 @@ def load_cpu_kernels() -> ModuleType | None:
         module = load(
             name=f"widellm_cpu_ops_{_build_tag()}",
             sources=[str(SOURCE_DIR / name) for name in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags(),
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

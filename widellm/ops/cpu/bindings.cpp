@@ -31,17 +31,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_decode_attention", &mla_decode_attention, ReleaseGil(),
         "MLA decode attention over the paged latent cache, bf16 (CPU, AMX)");
   m.def("prefill_attention_backend", &prefill_attention_backend,
-        "Path of prefill_attention for (head_size, v_head_size): amx, avx512_bf16 or none");
+        "Path of prefill_attention for (head_size, v_head_size, dtype): amx or avx512_bf16 "
+        "(bf16), avx2 (fp32), or none",
+        py::arg("head_size"), py::arg("v_head_size"), py::arg("dtype") = at::kBFloat16);
   m.def("prefill_attention_supported", &prefill_attention_supported,
-        "Whether prefill_attention runs for (head_size, v_head_size) here");
+        "Whether prefill_attention runs for (head_size, v_head_size, dtype) here",
+        py::arg("head_size"), py::arg("v_head_size"), py::arg("dtype") = at::kBFloat16);
   m.def("prefill_attention", &prefill_attention,
-        "Causal attention of one prompt chunk into out, bf16 (CPU, AMX or AVX512-BF16); "
-        "allow_amx=False takes the vector path (tests compare the two)",
+        "Causal attention of one prompt chunk into out, bf16 (AMX or AVX512-BF16) or fp32 "
+        "(AVX2); allow_amx=False takes bf16's vector path (tests compare the two)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("scale"),
         py::arg("allow_amx") = true, ReleaseGil());
   m.def("prefill_attention_batch", &prefill_attention_batch,
-        "Causal attention of a step's prompt chunks into out in one call, bf16 (CPU, AMX or "
-        "AVX512-BF16); allow_amx=False takes the vector path",
+        "Causal attention of a step's prompt chunks into out in one call, bf16 (AMX or "
+        "AVX512-BF16) or fp32 (AVX2); allow_amx=False takes bf16's vector path",
         py::arg("q"), py::arg("out"), py::arg("k"), py::arg("v"), py::arg("query_start_loc"),
         py::arg("scale"), py::arg("allow_amx") = true, ReleaseGil());
   m.def("moe_combine", &moe_combine, ReleaseGil(),

@@ -26,8 +26,9 @@ bool mla_decode_supported(int64_t block_size, int64_t head_size, int64_t v_head_
 torch::Tensor mla_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_table,
                                    torch::Tensor seq_lens, int64_t v_head_size, double scale);
 
-std::string prefill_attention_backend(int64_t head_size, int64_t v_head_size);
-bool prefill_attention_supported(int64_t head_size, int64_t v_head_size);
+std::string prefill_attention_backend(int64_t head_size, int64_t v_head_size,
+                                      at::ScalarType dtype);
+bool prefill_attention_supported(int64_t head_size, int64_t v_head_size, at::ScalarType dtype);
 void prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
                        double scale, bool allow_amx);
 void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<torch::Tensor> k,

@@ -1,4 +1,5 @@
-// Causal attention of prompt chunks with AMX tiles or AVX512-BF16 dot products (bf16):
+// Causal attention of prompt chunks, bf16 (AMX tiles or AVX512-BF16 dot products) or fp32
+// (AVX2 + FMA):
 //   prefill_attention_batch(q [T, H, Dk], out [T, H, Dv], k[i] [L_i, Hkv, Dk],
 //                           v[i] [L_i, Hkv, Dv], query_start_loc [n + 1], scale)
 //   out[q0 + i, n] = softmax_j(scale * q[q0 + i, n] . k[j, n / G]) v[j, n / G],
@@ -10,476 +11,78 @@
 // projections); each head's values are contiguous. prefill_attention(q, k, v, out, scale) is
 // the one-chunk form.
 //
-//   1. per (chunk, KV head), once: keys packed as AMX B tiles ([L / 16][Dk / 2][16][2]) and
-//      value rows interleaved in pairs ([L / 2][Dv][2]), zero past L;
-//   2. per (query head, block of 16 queries): scores = query rows (A, read in place) x key
-//      tiles, up to the block's last position; softmax per query row in fp32 over its causal
-//      prefix, probabilities rounded to bf16 (as torch's CPU flash attention rounds them);
-//      out = probabilities (A) x value pairs (B), accumulated in fp32, rounded to bf16.
-// Blocks are paired first with last in a task, so that a task's causal work is about the same
-// for every pair of a chunk; the threads take tasks in turn, longest chunks first.
-//
-// Why: torch's flash attention on this CPU runs the prompt at ~150 GFLOP/s (SmolLM2, 16 prompts
-// of 256 tokens: ~18% of a 4,096-token prefill step); tile products reach several times that.
-// One call for all of a step's chunks: a call per chunk cost ~10-15 us of set-up and thread
-// wake-up each, and split 128-token prompts so finely that two threads were barely faster
-// than one.
-//
-// CPUs with AVX512-BF16 but no AMX (AMD Zen 4 and 5) run the same steps on the same packing
-// with vdpbf16ps: a packed key row of 16 pairs, or a row of 16 value pairs, is one 512-bit
-// operand, met by a query pair (scores) or a probability pair (values) broadcast to every lane;
-// 6 query rows x 64 keys or columns accumulate in 24 of the 32 registers (10% faster than 4
-// rows x 64 for SmolLM2's 16 x 256 prompts on Zen 5).
+//   1. per (chunk, KV head), once: keys and values packed for the path's products;
+//   2. per (query head, block of 16 queries): scores up to the block's last position, softmax
+//      of each query over its causal prefix in fp32, out = probabilities x values.
+// The paths (prefill_attention.h) do the packing and the blocks; this file spreads them over
+// the threads. Blocks are paired first with last in a task, so that a task's causal work is
+// about the same for every pair of a chunk; the threads take tasks in turn, longest chunks
+// first. One call for all of a step's chunks: a call per chunk cost ~10-15 us of set-up and
+// thread wake-up each, and split 128-token prompts so finely that two threads were barely
+// faster than one.
+#include "prefill_attention.h"
+
 #include "amx.h"
-#include "vec.h"
+#include "ops.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
-#include <limits>
-#include <optional>
 #include <string>
 #include <vector>
 
 namespace {
 
-using namespace widellm_cpu;
-using bf16 = at::BFloat16;
-
-#if defined(__AVX512BF16__)
-constexpr int64_t kPackChunk = 256;  // keys per packing task
-constexpr int kGroupRows = 6;        // query rows the vector path accumulates together
-constexpr int kGroupVectors = 4;     // 16-wide key or value-column vectors per pass
-
-struct RowView {
-  const bf16* data;
-  int64_t row;  // element stride between tokens
-};
-
-// Keys [l0, l1) of one KV head into its packed forms; l0 a multiple of 32, l1 <= L. Pads with
-// zeros past L in the chunk that holds L.
-void pack_keys_values(RowView k, RowView v, int64_t l0, int64_t l1, int64_t L, int64_t Dk,
-                      int64_t Dv, int64_t L16, int64_t L32, bf16* k_packed, bf16* v_pairs) {
-  for (int64_t l = l0; l < l1; ++l)
-    pack_row(k.data + l * k.row, Dk, k_packed + l / kTile * kTile * Dk, l % kTile);
-  const std::vector<bf16> zero(Dv, bf16(0.f));
-  for (int64_t l = l0; l < l1; l += 2) {
-    const bf16* partner = l + 1 < L ? v.data + (l + 1) * v.row : zero.data();
-    interleave_rows(v.data + l * v.row, partner, Dv, v_pairs + l * Dv);
-  }
-  if (l1 == L) {
-    for (int64_t l = L; l < L16; ++l)
-      for (int64_t d = 0; d < Dk; d += 2)
-        std::fill_n(k_packed + l / kTile * kTile * Dk + packed_at(l % kTile, d), 2, bf16(0.f));
-    std::fill(v_pairs + (L + 1) / 2 * 2 * Dv, v_pairs + L32 * Dv, bf16(0.f));
-  }
-}
-
-// p[:len] <- exp(scale * (s[j] - max_j s[j])) rounded to bf16, p[len:K32] <- 0; returns the
-// sum of the exps in fp32 (the row is normalised after the value product, as flash attention
-// does: two passes over the scores instead of five).
-inline float exp_row(const float* s, int64_t len, float scale, bf16* p, int64_t K32) {
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 16 <= len; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (len - j)) - 1);
-  vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + j));
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale);
-  __m512 vsum = _mm512_setzero_ps();
-  for (j = 0; j < K32; j += 16) {
-    const int64_t left = std::clamp<int64_t>(len - j, 0, 16);
-    const __mmask16 valid = static_cast<__mmask16>((1u << left) - 1);
-    const __m512 x = _mm512_maskz_loadu_ps(valid, s + j);
-    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_fmsub_ps(x, vscale, shift)));
-    vsum = _mm512_add_ps(vsum, e);
-    const __m256bh rounded = _mm512_cvtneps_pbh(e);
-    std::memcpy(p + j, &rounded, sizeof(rounded));
-  }
-  return _mm512_reduce_add_ps(vsum);
-}
-
-struct BlockScratch {
-  // Uninitialised growth: the blocks of a task alternate small and large, and a zero-filling
-  // resize then rewrote the probabilities on every large block (~30% of the kernel's time).
-  ScratchVector<bf16> q_rows;   // [16][Dk]: a last block of fewer than 16 queries, zero padded
-  ScratchVector<float> scores;  // [16][lds]: keys rounded up to 16, then one line of padding
-  ScratchVector<bf16> probs;    // [16][ldp], likewise from 32; rows past the block's: stale
-  float inv_sum[kTile];       // 1 / the sum of each query row's exps
-};
-
-inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
-
-// The bf16 pair p[0..1] in every lane.
-inline __m512bh pair_at(const bf16* p) {
-  int32_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return as_bh(_mm512_set1_epi32(bits));
-}
-
-// scores[r][k0 + j] (row stride lds) <- q row r . key k0 + j for r < kR, j < 16 * kC: kR query
-// rows (row stride q_stride) against kC packed 16-key chunks from k0 (a multiple of 16).
-template <int kR, int kC>
-void score_vectors(const bf16* q, int64_t q_stride, const bf16* k_packed, int64_t k0, int64_t Dk,
-                   float* scores, int64_t lds) {
-  __m512 acc[kR][kC];
-  for (int r = 0; r < kR; ++r)
-    for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_setzero_ps();
-  const bf16* chunk = k_packed + k0 * Dk;  // a 16-key chunk is [Dk / 2][16][2]
-  for (int64_t d = 0; d < Dk; d += 2) {
-    __m512bh keys[kC];
-    for (int c = 0; c < kC; ++c)
-      keys[c] = as_bh(_mm512_loadu_si512(chunk + c * kTile * Dk + d * kTile));
-    for (int r = 0; r < kR; ++r) {
-      const __m512bh pair = pair_at(q + r * q_stride + d);
-      for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, keys[c]);
-    }
-  }
-  for (int r = 0; r < kR; ++r)
-    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(scores + r * lds + k0 + c * kTile, acc[r][c]);
-}
-
-// score_vectors over keys [0, keys rounded up to 16) for kR query rows.
-template <int kR>
-void score_rows(const bf16* q, int64_t q_stride, const bf16* k_packed, int64_t keys, int64_t Dk,
-                float* scores, int64_t lds) {
-  const int64_t K16 = (keys + kTile - 1) / kTile * kTile;
-  int64_t k0 = 0;
-  for (; k0 + kGroupVectors * kTile <= K16; k0 += kGroupVectors * kTile)
-    score_vectors<kR, kGroupVectors>(q, q_stride, k_packed, k0, Dk, scores, lds);
-  switch ((K16 - k0) / kTile) {
-    case 3: score_vectors<kR, 3>(q, q_stride, k_packed, k0, Dk, scores, lds); break;
-    case 2: score_vectors<kR, 2>(q, q_stride, k_packed, k0, Dk, scores, lds); break;
-    case 1: score_vectors<kR, 1>(q, q_stride, k_packed, k0, Dk, scores, lds); break;
-    default: break;
-  }
-}
-
-// The vector path's scores of a block: rows [0, n) of queries at positions p0 + r, each group
-// of rows up to its last row's causal prefix.
-void score_block_vectors(const bf16* q, int64_t q_stride, int64_t n, int64_t p0,
-                         const bf16* k_packed, int64_t Dk, float* scores, int64_t lds) {
-  int64_t r = 0;
-  for (; r + kGroupRows <= n; r += kGroupRows)
-    score_rows<kGroupRows>(q + r * q_stride, q_stride, k_packed, p0 + r + kGroupRows, Dk,
-                           scores + r * lds, lds);
-  const bf16* qr = q + r * q_stride;
-  float* sr = scores + r * lds;
-  switch (n - r) {
-    case 5: score_rows<5>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
-    case 4: score_rows<4>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
-    case 3: score_rows<3>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
-    case 2: score_rows<2>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
-    case 1: score_rows<1>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
-    default: break;
-  }
-}
-
-// out rows [0, kR) (row stride out_row), columns [c0, c0 + 16 * kC) <- row_scale[r] *
-// (probs rows (row stride ldp) x value pairs) over positions [0, K2), K2 even.
-template <int kR, int kC>
-void value_vectors(const bf16* probs, int64_t ldp, int64_t K2, const bf16* v_pairs, int64_t Dv,
-                   int64_t c0, const float* row_scale, bf16* out, int64_t out_row) {
-  __m512 acc[kR][kC];
-  for (int r = 0; r < kR; ++r)
-    for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t l = 0; l < K2; l += 2) {
-    const bf16* pairs = v_pairs + l * Dv + 2 * c0;  // row l / 2 of [L / 2][Dv][2]
-    __m512bh values[kC];
-    for (int c = 0; c < kC; ++c) values[c] = as_bh(_mm512_loadu_si512(pairs + c * 2 * kTile));
-    for (int r = 0; r < kR; ++r) {
-      const __m512bh p = pair_at(probs + r * ldp + l);
-      for (int c = 0; c < kC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p, values[c]);
-    }
-  }
-  for (int r = 0; r < kR; ++r)
-    for (int c = 0; c < kC; ++c)
-      store_bf16(out + r * out_row + c0 + c * kTile,
-                 _mm512_mul_ps(acc[r][c], _mm512_set1_ps(row_scale[r])));
-}
-
-// value_vectors over every column (Dv a multiple of 32) for kR rows whose causal prefixes end
-// before `keys`.
-template <int kR>
-void value_rows(const bf16* probs, int64_t ldp, int64_t keys, const bf16* v_pairs, int64_t Dv,
-                const float* row_scale, bf16* out, int64_t out_row) {
-  const int64_t K2 = (keys + 1) / 2 * 2;
-  int64_t c0 = 0;
-  for (; c0 + kGroupVectors * kTile <= Dv; c0 += kGroupVectors * kTile)
-    value_vectors<kR, kGroupVectors>(probs, ldp, K2, v_pairs, Dv, c0, row_scale, out, out_row);
-  if (c0 < Dv) value_vectors<kR, 2>(probs, ldp, K2, v_pairs, Dv, c0, row_scale, out, out_row);
-}
-
-// The vector path's output rows [0, n) of a block (queries at positions p0 + r).
-void value_block_vectors(const bf16* probs, int64_t ldp, int64_t n, int64_t p0,
-                         const bf16* v_pairs, int64_t Dv, const float* row_scale, bf16* out,
-                         int64_t out_row) {
-  int64_t r = 0;
-  for (; r + kGroupRows <= n; r += kGroupRows)
-    value_rows<kGroupRows>(probs + r * ldp, ldp, p0 + r + kGroupRows, v_pairs, Dv,
-                           row_scale + r, out + r * out_row, out_row);
-  const bf16* pr = probs + r * ldp;
-  bf16* orow = out + r * out_row;
-  switch (n - r) {
-    case 5: value_rows<5>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
-    case 4: value_rows<4>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
-    case 3: value_rows<3>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
-    case 2: value_rows<2>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
-    case 1: value_rows<1>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
-    default: break;
-  }
-}
-
-#if WIDELLM_HAS_AMX
-// out rows [0, n) (n <= 16) <- row_scale[r] * (probs [16][K32] (row stride ldp) x value
-// pairs), columns [c0, c0 + 16 * kTiles).
-template <int kTiles>
-void value_pass(const bf16* probs, int64_t K32, int64_t ldp, const bf16* v_pairs, int64_t Dv,
-                int64_t c0, int64_t n, const float* row_scale, bf16* out, int64_t out_row) {
-  static_assert(kTiles == 2 || kTiles == 4, "32 or 64 value columns per pass");
-  const int64_t stride = 2 * Dv * sizeof(bf16);
-  _tile_zero(0);
-  _tile_zero(1);
-  if constexpr (kTiles == 4) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t l = 0; l < K32; l += kTileK) {
-    _tile_loadd(4, probs + l, ldp * sizeof(bf16));
-    const bf16* vp = v_pairs + l * Dv + 2 * c0;
-    _tile_loadd(5, vp, stride);
-    _tile_loadd(6, vp + 2 * kTile, stride);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 6);
-    if constexpr (kTiles == 4) {
-      _tile_loadd(7, vp + 4 * kTile, stride);
-      _tile_loadd(5, vp + 6 * kTile, stride);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-  }
-  alignas(64) float tile[kTiles][kTile * kTile];
-  _tile_stored(0, tile[0], kTile * sizeof(float));
-  _tile_stored(1, tile[1], kTile * sizeof(float));
-  if constexpr (kTiles == 4) {
-    _tile_stored(2, tile[2], kTile * sizeof(float));
-    _tile_stored(3, tile[3], kTile * sizeof(float));
-  }
-  alignas(64) float scaled[kTile];
-  for (int64_t r = 0; r < n; ++r)
-    for (int j = 0; j < kTiles; ++j) {
-      const __m512 x = _mm512_load_ps(tile[j] + r * kTile);
-      _mm512_store_ps(scaled, _mm512_mul_ps(x, _mm512_set1_ps(row_scale[r])));
-      row_from_float(scaled, out + r * out_row + c0 + j * kTile, kTile);
-    }
-}
-
-// scores [16][keys rounded up to 16] (row stride lds) <- 16 query rows (A, row stride
-// q_stride) x key tiles, for the first `keys` keys. kD = Dk / 32 query tiles stay loaded
-// (tiles 4..7) across the key tiles; kD = 0 (Dk over 128) reloads them for each key tile.
-// Needs a TileScope.
-template <int kD>
-void score_tiles(const bf16* q, int64_t q_stride, const bf16* k_packed, int64_t keys,
-                 int64_t Dk, float* scores, int64_t lds) {
-  static_assert(kD >= 0 && kD <= 4, "at most four resident query tiles");
-  const int64_t qs = q_stride * sizeof(bf16), ks = kTile * 2 * sizeof(bf16);
-  if constexpr (kD >= 1) _tile_loadd(4, q, qs);
-  if constexpr (kD >= 2) _tile_loadd(5, q + kTileK, qs);
-  if constexpr (kD >= 3) _tile_loadd(6, q + 2 * kTileK, qs);
-  if constexpr (kD >= 4) _tile_loadd(7, q + 3 * kTileK, qs);
-  for (int64_t k0 = 0; k0 < keys; k0 += kTile) {
-    const bf16* kt = k_packed + k0 * Dk;
-    _tile_zero(0);
-    if constexpr (kD == 0) {
-      for (int64_t d = 0; d < Dk; d += kTileK) {
-        _tile_loadd(1, q + d, qs);
-        _tile_loadd(2, kt + d * kTile, ks);
-        _tile_dpbf16ps(0, 1, 2);
-      }
-    } else {
-      _tile_loadd(1, kt, ks);
-      _tile_dpbf16ps(0, 4, 1);
-      if constexpr (kD >= 2) {
-        _tile_loadd(2, kt + kTileK * kTile, ks);
-        _tile_dpbf16ps(0, 5, 2);
-      }
-      if constexpr (kD >= 3) {
-        _tile_loadd(1, kt + 2 * kTileK * kTile, ks);
-        _tile_dpbf16ps(0, 6, 1);
-      }
-      if constexpr (kD >= 4) {
-        _tile_loadd(2, kt + 3 * kTileK * kTile, ks);
-        _tile_dpbf16ps(0, 7, 2);
-      }
-    }
-    _tile_stored(0, scores + k0, lds * sizeof(float));
-  }
-}
-
-#endif  // WIDELLM_HAS_AMX
-
-// Queries [i0, i0 + n) of one query head (q rows from that head's first value, out likewise),
-// whose first is at position p0; keys of its KV head packed. amx: tile products (needs a
-// TileScope), else AVX512-BF16 vectors.
-void attend_block(bool amx, RowView q, int64_t i0, int64_t n, int64_t p0, const bf16* k_packed,
-                  const bf16* v_pairs, int64_t Dk, int64_t Dv, float scale, bf16* out,
-                  int64_t out_row, BlockScratch& s) {
-  const int64_t keys = p0 + n;  // the last query sees positions [0, p0 + n)
-  const int64_t K16 = (keys + kTile - 1) / kTile * kTile;
-  const int64_t K32 = (keys + kTileK - 1) / kTileK * kTileK;
-  // Row strides one cache line past the rows: long rows a multiple of 4 KiB apart would all
-  // fall in one L1 set (16 rows of a tile, 12 ways), which made 2,048-token prompts slower.
-  const int64_t lds = K16 + kTile, ldp = K32 + kTileK;
-  const bf16* qa = q.data + i0 * q.row;
-  s.scores.resize(kTile * lds);
-#if WIDELLM_HAS_AMX
-  if (amx) {
-    int64_t q_stride = q.row;
-    if (n < kTile) {  // the tile load reads 16 rows: stage the last block's rows
-      s.q_rows.resize(kTile * Dk);
-      zero_bf16(s.q_rows.data() + n * Dk, (kTile - n) * Dk);
-      for (int64_t r = 0; r < n; ++r) std::copy_n(qa + r * q.row, Dk, s.q_rows.data() + r * Dk);
-      qa = s.q_rows.data();
-      q_stride = Dk;
-    }
-    // Scores [query][key], one 16 x 16 tile per 16 keys.
-    switch (Dk / kTileK) {
-      case 1: score_tiles<1>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
-      case 2: score_tiles<2>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
-      case 3: score_tiles<3>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
-      case 4: score_tiles<4>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds); break;
-      default: score_tiles<0>(qa, q_stride, k_packed, keys, Dk, s.scores.data(), lds);
-    }
-  } else
-#endif
-  {
-    score_block_vectors(qa, q.row, n, p0, k_packed, Dk, s.scores.data(), lds);
-  }
-
-  // Softmax of each query over its causal prefix: bf16 exps, zero past it; the division by
-  // their sum is applied to the output rows.
-  s.probs.resize(kTile * ldp);
-  for (int64_t r = 0; r < n; ++r)
-    s.inv_sum[r] = 1.f / exp_row(s.scores.data() + r * lds, p0 + r + 1, scale,
-                                 s.probs.data() + r * ldp, K32);
-
-#if WIDELLM_HAS_AMX
-  if (amx) {
-    int64_t c0 = 0;
-    for (; c0 + 4 * kTile <= Dv; c0 += 4 * kTile)
-      value_pass<4>(s.probs.data(), K32, ldp, v_pairs, Dv, c0, n, s.inv_sum, out + i0 * out_row,
-                    out_row);
-    if (c0 < Dv)
-      value_pass<2>(s.probs.data(), K32, ldp, v_pairs, Dv, c0, n, s.inv_sum, out + i0 * out_row,
-                    out_row);
-    return;
-  }
-#endif
-  value_block_vectors(s.probs.data(), ldp, n, p0, v_pairs, Dv, s.inv_sum, out + i0 * out_row,
-                      out_row);
-}
-#endif
-
-}  // namespace
-
-std::string prefill_attention_backend(int64_t head_size, int64_t v_head_size) {
-  if (head_size % 32 != 0 || v_head_size % 32 != 0) return "none";
-#if WIDELLM_HAS_AMX
-  if (amx_ready()) return "amx";
-#endif
-#if defined(__AVX512BF16__)
-  return "avx512_bf16";
-#else
-  return "none";
-#endif
-}
-
-bool prefill_attention_supported(int64_t head_size, int64_t v_head_size) {
-  return prefill_attention_backend(head_size, v_head_size) != "none";
-}
-
-#if defined(__AVX512BF16__)
-namespace {
+using namespace widellm_cpu::prefill;
 
 // One prompt chunk of a batch: query rows [q0, q0 + Lq) of q and out, L context positions.
+template <typename T>
 struct Chunk {
-  int64_t q0, Lq, L, L16, L32;
-  RowView k, v;                   // KV head 0; heads are k_head / v_head elements apart
+  int64_t q0, Lq, L;
+  RowView<T> k, v;                // KV head 0; heads are k_head / v_head elements apart
   int64_t k_head, v_head;
-  int64_t k_packed, v_pairs;      // offsets of this chunk's packed keys / value pairs
-  int64_t blocks, pairs;          // query blocks of 16, and tasks pairing first with last
+  int64_t k_packed, v_packed;     // offsets of this chunk's packed keys and values
+  int64_t k_elems, v_elems;       // packed elements per KV head
+  int64_t blocks, pairs;          // query blocks, and tasks pairing first with last
 };
 
-}  // namespace
-#endif
-
-void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<torch::Tensor> k,
-                             std::vector<torch::Tensor> v, std::vector<int64_t> query_start_loc,
-                             double scale, bool allow_amx) {
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3,
-              "prefill_attention: q and out must be 3-D [tokens, heads, head_size]");
+// The batch on one path; make_worker() builds a Path on the calling thread.
+template <class Path, class MakeWorker>
+void run_batch(const torch::Tensor& q, torch::Tensor& out, const std::vector<torch::Tensor>& k,
+               const std::vector<torch::Tensor>& v, const std::vector<int64_t>& query_start_loc,
+               double scale, MakeWorker make_worker) {
+  using T = typename Path::T;
   const int64_t n = static_cast<int64_t>(k.size());
-  TORCH_CHECK(static_cast<int64_t>(v.size()) == n &&
-                  static_cast<int64_t>(query_start_loc.size()) == n + 1,
-              "prefill_attention: one k and v per chunk and n + 1 query_start_loc");
-  const int64_t H = q.size(1), Dk = q.size(2), Dv = out.size(2);
-  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == H,
-              "prefill_attention: out must be [tokens, heads, v_head_size] like q");
-  int64_t Hkv = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    for (const auto* t : {&k[i], &v[i]}) {
-      TORCH_CHECK(t->dim() == 3, "prefill_attention: k and v must be 3-D [tokens, heads, size]");
-      TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->device().is_cpu() && t->stride(2) == 1,
-                  "prefill_attention: bf16 CPU tensors, each head's values contiguous");
-    }
-    if (i == 0) Hkv = k[i].size(1);
-    const int64_t Lq = query_start_loc[i + 1] - query_start_loc[i], L = k[i].size(0);
-    TORCH_CHECK(k[i].size(1) == Hkv && k[i].size(2) == Dk && v[i].size(0) == L &&
-                    v[i].size(1) == Hkv && v[i].size(2) == Dv && L >= Lq && Lq >= 0 &&
-                    query_start_loc[i] >= 0 && query_start_loc[i + 1] <= q.size(0),
-                "prefill_attention: shapes do not match (chunk ", i, ")");
-  }
-  for (const auto* t : {&q, &out})
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->device().is_cpu() && t->stride(2) == 1,
-                "prefill_attention: bf16 CPU tensors, each head's values contiguous");
-  TORCH_CHECK(n == 0 || (Hkv >= 1 && H % Hkv == 0),
-              "prefill_attention: query heads must be a multiple of KV heads");
-  const std::string backend = prefill_attention_backend(Dk, Dv);
-  TORCH_CHECK(backend != "none",
-              "prefill_attention: needs AMX or AVX512-BF16 and head sizes that are multiples of "
-              "32");
-#if defined(__AVX512BF16__)
   if (n == 0) return;
-  const bool amx = allow_amx && backend == "amx";
+  const int64_t H = q.size(1), Dk = q.size(2), Dv = out.size(2), Hkv = k[0].size(1);
   const int64_t G = H / Hkv;
-  std::vector<Chunk> chunks(n);
+  std::vector<Chunk<T>> chunks(n);
   int64_t k_total = 0, v_total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    Chunk& c = chunks[i];
+    Chunk<T>& c = chunks[i];
     c.q0 = query_start_loc[i];
     c.Lq = query_start_loc[i + 1] - c.q0;
     c.L = k[i].size(0);
-    c.L16 = (c.L + kTile - 1) / kTile * kTile;
-    c.L32 = (c.L + kTileK - 1) / kTileK * kTileK;
-    c.k = {k[i].data_ptr<bf16>(), k[i].stride(0)};
-    c.v = {v[i].data_ptr<bf16>(), v[i].stride(0)};
+    c.k = {k[i].data_ptr<T>(), k[i].stride(0)};
+    c.v = {v[i].data_ptr<T>(), v[i].stride(0)};
     c.k_head = k[i].stride(1);
     c.v_head = v[i].stride(1);
+    c.k_elems = Path::key_elems(c.L, Dk);
+    c.v_elems = Path::value_elems(c.L, Dv);
     c.k_packed = k_total;
-    c.v_pairs = v_total;
-    k_total += Hkv * c.L16 * Dk;
-    v_total += Hkv * c.L32 * Dv;
-    c.blocks = (c.Lq + kTile - 1) / kTile;
+    c.v_packed = v_total;
+    k_total += Hkv * c.k_elems;
+    v_total += Hkv * c.v_elems;
+    c.blocks = (c.Lq + kBlock - 1) / kBlock;
     c.pairs = (c.blocks + 1) / 2;
   }
   auto k_packed = torch::empty({k_total}, q.options());
-  auto v_pairs = torch::empty({v_total}, q.options());
-  bf16* kp = k_packed.data_ptr<bf16>();
-  bf16* vp = v_pairs.data_ptr<bf16>();
+  auto v_packed = torch::empty({v_total}, q.options());
+  T* kp = k_packed.data_ptr<T>();
+  T* vp = v_packed.data_ptr<T>();
 
-  // 1. Pack every chunk's keys and values: tasks (chunk, KV head, 256 positions).
+  // 1. Pack every chunk's keys and values: tasks (chunk, KV head, kPackChunk positions).
   struct PackTask {
     int64_t chunk, head, l0;
   };
@@ -490,11 +93,10 @@ void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<tor
   at::parallel_for(0, static_cast<int64_t>(packs.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const PackTask& p = packs[t];
-      const Chunk& c = chunks[p.chunk];
-      pack_keys_values({c.k.data + p.head * c.k_head, c.k.row},
-                       {c.v.data + p.head * c.v_head, c.v.row}, p.l0,
-                       std::min(c.L, p.l0 + kPackChunk), c.L, Dk, Dv, c.L16, c.L32,
-                       kp + c.k_packed + p.head * c.L16 * Dk, vp + c.v_pairs + p.head * c.L32 * Dv);
+      const Chunk<T>& c = chunks[p.chunk];
+      Path::pack({c.k.data + p.head * c.k_head, c.k.row}, {c.v.data + p.head * c.v_head, c.v.row},
+                 p.l0, std::min(c.L, p.l0 + kPackChunk), c.L, Dk, Dv,
+                 kp + c.k_packed + p.head * c.k_elems, vp + c.v_packed + p.head * c.v_elems);
     }
   });
 
@@ -513,32 +115,98 @@ void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<tor
       for (int64_t head = 0; head < H; ++head) tasks.push_back({i, pair, head});
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const float fscale = static_cast<float>(scale);
-  const bf16* qd = q.data_ptr<bf16>();
-  bf16* od = out.data_ptr<bf16>();
+  const T* qd = q.data_ptr<T>();
+  T* od = out.data_ptr<T>();
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-#if WIDELLM_HAS_AMX
-    std::optional<TileScope> tiles;
-    if (amx) tiles.emplace();
-#endif
-    BlockScratch scratch;
+    Path worker = make_worker();
     for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
       const auto [i, pair, head] = tasks[t];
-      const Chunk& c = chunks[i];
+      const Chunk<T>& c = chunks[i];
       const int64_t h = head / G;
       auto attend = [&](int64_t b) {
-        const int64_t i0 = b * kTile;
-        attend_block(amx, {qd + c.q0 * q.stride(0) + head * q.stride(1), q.stride(0)}, i0,
-                     std::min(kTile, c.Lq - i0), c.L - c.Lq + i0,
-                     kp + c.k_packed + h * c.L16 * Dk, vp + c.v_pairs + h * c.L32 * Dv, Dk, Dv,
-                     fscale, od + c.q0 * out.stride(0) + head * out.stride(1), out.stride(0),
-                     scratch);
+        const int64_t i0 = b * kBlock;
+        worker.attend({qd + c.q0 * q.stride(0) + head * q.stride(1), q.stride(0)}, i0,
+                      std::min(kBlock, c.Lq - i0), c.L - c.Lq + i0,
+                      kp + c.k_packed + h * c.k_elems, vp + c.v_packed + h * c.v_elems, Dk, Dv,
+                      fscale, od + c.q0 * out.stride(0) + head * out.stride(1), out.stride(0));
       };
       attend(pair);
       if (c.blocks - 1 - pair != pair) attend(c.blocks - 1 - pair);
     }
   });
+}
+
+}  // namespace
+
+std::string prefill_attention_backend(int64_t head_size, int64_t v_head_size,
+                                      at::ScalarType dtype) {
+  if (dtype == at::kBFloat16 && head_size % 32 == 0 && v_head_size % 32 == 0) {
+#if WIDELLM_HAS_AMX
+    if (widellm_cpu::amx_ready()) return "amx";
+#endif
+#if defined(__AVX512BF16__)
+    return "avx512_bf16";
+#endif
+  }
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dtype == at::kFloat && head_size % 8 == 0 && v_head_size % 8 == 0) return "avx2";
+#endif
+  return "none";
+}
+
+bool prefill_attention_supported(int64_t head_size, int64_t v_head_size, at::ScalarType dtype) {
+  return prefill_attention_backend(head_size, v_head_size, dtype) != "none";
+}
+
+void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<torch::Tensor> k,
+                             std::vector<torch::Tensor> v, std::vector<int64_t> query_start_loc,
+                             double scale, bool allow_amx) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3,
+              "prefill_attention: q and out must be 3-D [tokens, heads, head_size]");
+  const int64_t n = static_cast<int64_t>(k.size());
+  TORCH_CHECK(static_cast<int64_t>(v.size()) == n &&
+                  static_cast<int64_t>(query_start_loc.size()) == n + 1,
+              "prefill_attention: one k and v per chunk and n + 1 query_start_loc");
+  const int64_t H = q.size(1), Dk = q.size(2), Dv = out.size(2);
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == H,
+              "prefill_attention: out must be [tokens, heads, v_head_size] like q");
+  auto check_layout = [&](const torch::Tensor& t) {
+    TORCH_CHECK(t.scalar_type() == dtype && t.device().is_cpu() && t.stride(2) == 1,
+                "prefill_attention: CPU tensors of q's dtype, each head's values contiguous");
+  };
+  int64_t Hkv = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (const auto* t : {&k[i], &v[i]}) {
+      TORCH_CHECK(t->dim() == 3, "prefill_attention: k and v must be 3-D [tokens, heads, size]");
+      check_layout(*t);
+    }
+    if (i == 0) Hkv = k[i].size(1);
+    const int64_t Lq = query_start_loc[i + 1] - query_start_loc[i], L = k[i].size(0);
+    TORCH_CHECK(k[i].size(1) == Hkv && k[i].size(2) == Dk && v[i].size(0) == L &&
+                    v[i].size(1) == Hkv && v[i].size(2) == Dv && L >= Lq && Lq >= 0 &&
+                    query_start_loc[i] >= 0 && query_start_loc[i + 1] <= q.size(0),
+                "prefill_attention: shapes do not match (chunk ", i, ")");
+  }
+  check_layout(q);
+  check_layout(out);
+  TORCH_CHECK(n == 0 || (Hkv >= 1 && H % Hkv == 0),
+              "prefill_attention: query heads must be a multiple of KV heads");
+  const std::string backend = prefill_attention_backend(Dk, Dv, dtype);
+  TORCH_CHECK(backend != "none",
+              "prefill_attention: needs bf16 with AMX or AVX512-BF16 and head sizes that are "
+              "multiples of 32, or fp32 with AVX2 + FMA and multiples of 8");
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) {
+    const bool amx = allow_amx && backend == "amx";
+    run_batch<Bf16Path>(q, out, k, v, query_start_loc, scale, [amx] { return Bf16Path(amx); });
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  run_batch<Fp32Path>(q, out, k, v, query_start_loc, scale, [] { return Fp32Path(); });
 #endif
 }
 
