@@ -129,8 +129,8 @@ inline float exp_row(const float* s, int64_t len, float scale, float* p, int64_t
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 vsum = _mm256_setzero_ps();
   for (j = 0; j < K8; j += kLanes) {
-    const __m256 valid = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(len - j, 8))), lane));
+    const int left = static_cast<int>(std::clamp<int64_t>(len - j, 0, kLanes));
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(left), lane));
     const __m256 x = _mm256_loadu_ps(s + j);
     const __m256 e = _mm256_and_ps(valid, exp8(_mm256_fmsub_ps(x, vscale, shift)));
     vsum = _mm256_add_ps(vsum, e);
@@ -154,8 +154,10 @@ void Fp32Path::pack(RowView<float> k, RowView<float> v, int64_t l0, int64_t l1, 
     std::memcpy(values + l * Dv, v.data + l * v.row, Dv * sizeof(float));
   }
   if (l1 == L)
-    for (int64_t l = L; l < round_up(L, kLanes); ++l)
-      for (int64_t d = 0; d < Dk; ++d) k_packed[l / kLanes * kLanes * Dk + d * kLanes + l % kLanes] = 0.f;
+    for (int64_t l = L; l < round_up(L, kLanes); ++l) {
+      float* panel = k_packed + l / kLanes * kLanes * Dk;
+      for (int64_t d = 0; d < Dk; ++d) panel[d * kLanes + l % kLanes] = 0.f;
+    }
 }
 
 struct Fp32Path::Worker {

@@ -194,9 +194,9 @@ inline __m512 exp16(__m512 x) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// exp16's method for 8 lanes (AVX-512 CPUs have it too, for the 8-lane fp32 prefill path); 2^k is built in the exponent field (AVX2 has no scalef): k is
-// within [-127, 127] after the clamp, and 2^-127 comes out as 0, which softmax cannot tell
-// from e^-88.
+// exp16's method for 8 lanes (AVX-512 builds have it too, for the 8-lane fp32 prefill path);
+// 2^k is built in the exponent field (AVX2 has no scalef): k is within [-127, 127] after the
+// clamp, and 2^-127 comes out as 0, which softmax cannot tell from e^-88.
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-88.0f));
   const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
