@@ -47,12 +47,12 @@ struct Chunk {
   int64_t blocks, pairs;          // query blocks, and tasks pairing first with last
 };
 
-// The batch on one path; make_worker() builds a Path on the calling thread.
-template <class Path, class MakeWorker>
+// The batch on the path of element type T (amx: see PrefillPath).
+template <typename T>
 void run_batch(const torch::Tensor& q, torch::Tensor& out, const std::vector<torch::Tensor>& k,
                const std::vector<torch::Tensor>& v, const std::vector<int64_t>& query_start_loc,
-               double scale, MakeWorker make_worker) {
-  using T = typename Path::T;
+               double scale, bool amx) {
+  using Path = PrefillPath<T>;
   const int64_t n = static_cast<int64_t>(k.size());
   if (n == 0) return;
   const int64_t H = q.size(1), Dk = q.size(2), Dv = out.size(2), Hkv = k[0].size(1);
@@ -120,7 +120,7 @@ void run_batch(const torch::Tensor& q, torch::Tensor& out, const std::vector<tor
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Path worker = make_worker();
+    Path worker(amx);  // on this thread: AMX tiles are configured per thread
     for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
       const auto [i, pair, head] = tasks[t];
       const Chunk<T>& c = chunks[i];
@@ -200,13 +200,12 @@ void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<tor
               "multiples of 32, or fp32 with AVX2 + FMA and multiples of 8");
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16) {
-    const bool amx = allow_amx && backend == "amx";
-    run_batch<Bf16Path>(q, out, k, v, query_start_loc, scale, [amx] { return Bf16Path(amx); });
+    run_batch<at::BFloat16>(q, out, k, v, query_start_loc, scale, allow_amx && backend == "amx");
     return;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  run_batch<Fp32Path>(q, out, k, v, query_start_loc, scale, [] { return Fp32Path(); });
+  run_batch<float>(q, out, k, v, query_start_loc, scale, false);
 #endif
 }
 

@@ -1,10 +1,10 @@
 // The causal prefill kernel in two halves: the driver (prefill_attention.cpp: the contract,
 // argument checks, and the packing and attention tasks spread over the threads) and one path
 // per dtype, which packs a KV head's keys and values and attends a block of queries:
-//   Bf16Path (prefill_attention_bf16.cpp): AMX tiles, or AVX512-BF16 dot products;
-//   Fp32Path (prefill_attention_fp32.cpp): AVX2 + FMA in 8 lanes, for the CPUs where widellm
+//   bf16 (prefill_attention_bf16.cpp): AMX tiles, or AVX512-BF16 dot products;
+//   fp32 (prefill_attention_fp32.cpp): AVX2 + FMA in 8 lanes, for the CPUs where widellm
 //     serves in fp32 (no native bf16 matmuls).
-// Both paths have the same members, which the driver's template calls:
+// Both are a PrefillPath<T>, whose members the driver's template calls:
 //   key_elems(L, Dk), value_elems(L, Dv): elements of one KV head's packed keys and values;
 //   pack(k, v, l0, l1, L, Dk, Dv, k_packed, v_packed): positions [l0, l1) of one KV head
 //     (l0 a multiple of kPackChunk) into the packed forms; the call that reaches L also
@@ -32,19 +32,23 @@ struct RowView {
   int64_t row;
 };
 
-#if defined(__AVX512BF16__)
-class Bf16Path {
+// One path per element type: prefill_attention_bf16.cpp specializes these members for
+// at::BFloat16 (built where the CPU has AVX512-BF16), prefill_attention_fp32.cpp for float
+// (where it has AVX2 + FMA); the template itself has no definitions.
+template <typename T>
+class PrefillPath {
  public:
-  using T = at::BFloat16;
   static int64_t key_elems(int64_t L, int64_t Dk);
   static int64_t value_elems(int64_t L, int64_t Dv);
   static void pack(RowView<T> k, RowView<T> v, int64_t l0, int64_t l1, int64_t L, int64_t Dk,
                    int64_t Dv, T* k_packed, T* v_packed);
 
-  explicit Bf16Path(bool amx);  // amx: tile products (the tiles stay configured while it lives)
-  ~Bf16Path();
-  Bf16Path(const Bf16Path&) = delete;
-  Bf16Path& operator=(const Bf16Path&) = delete;
+  // amx: bf16 blocks in AMX tiles (configured for this thread while the worker lives) rather
+  // than AVX512-BF16 dot products; fp32 has one path and ignores it.
+  explicit PrefillPath(bool amx);
+  ~PrefillPath();
+  PrefillPath(const PrefillPath&) = delete;
+  PrefillPath& operator=(const PrefillPath&) = delete;
   void attend(RowView<T> q, int64_t i0, int64_t n, int64_t p0, const T* k_packed,
               const T* v_packed, int64_t Dk, int64_t Dv, float scale, T* out, int64_t out_row);
 
@@ -52,28 +56,5 @@ class Bf16Path {
   struct Worker;
   std::unique_ptr<Worker> worker_;
 };
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-class Fp32Path {
- public:
-  using T = float;
-  static int64_t key_elems(int64_t L, int64_t Dk);
-  static int64_t value_elems(int64_t L, int64_t Dv);
-  static void pack(RowView<T> k, RowView<T> v, int64_t l0, int64_t l1, int64_t L, int64_t Dk,
-                   int64_t Dv, T* k_packed, T* v_packed);
-
-  Fp32Path();
-  ~Fp32Path();
-  Fp32Path(const Fp32Path&) = delete;
-  Fp32Path& operator=(const Fp32Path&) = delete;
-  void attend(RowView<T> q, int64_t i0, int64_t n, int64_t p0, const T* k_packed,
-              const T* v_packed, int64_t Dk, int64_t Dv, float scale, T* out, int64_t out_row);
-
- private:
-  struct Worker;
-  std::unique_ptr<Worker> worker_;
-};
-#endif
 
 }  // namespace widellm_cpu::prefill

@@ -282,13 +282,16 @@ void score_tiles(const bf16* q, int64_t q_stride, const bf16* k_packed, int64_t 
 
 }  // namespace
 
-int64_t Bf16Path::key_elems(int64_t L, int64_t Dk) { return (L + kTile - 1) / kTile * kTile * Dk; }
+template <>
+int64_t PrefillPath<bf16>::key_elems(int64_t L, int64_t Dk) { return (L + kTile - 1) / kTile * kTile * Dk; }
 
-int64_t Bf16Path::value_elems(int64_t L, int64_t Dv) {
+template <>
+int64_t PrefillPath<bf16>::value_elems(int64_t L, int64_t Dv) {
   return (L + kTileK - 1) / kTileK * kTileK * Dv;
 }
 
-void Bf16Path::pack(RowView<bf16> k, RowView<bf16> v, int64_t l0, int64_t l1, int64_t L,
+template <>
+void PrefillPath<bf16>::pack(RowView<bf16> k, RowView<bf16> v, int64_t l0, int64_t l1, int64_t L,
                     int64_t Dk, int64_t Dv, bf16* k_packed, bf16* v_pairs) {
   for (int64_t l = l0; l < l1; ++l)
     pack_row(k.data + l * k.row, Dk, k_packed + l / kTile * kTile * Dk, l % kTile);
@@ -306,7 +309,8 @@ void Bf16Path::pack(RowView<bf16> k, RowView<bf16> v, int64_t l0, int64_t l1, in
   }
 }
 
-struct Bf16Path::Worker {
+template <>
+struct PrefillPath<bf16>::Worker {
   bool amx;
 #if WIDELLM_HAS_AMX
   std::optional<TileScope> tiles;  // configured on the worker's thread, released with it
@@ -314,16 +318,19 @@ struct Bf16Path::Worker {
   BlockScratch scratch;
 };
 
-Bf16Path::Bf16Path(bool amx) : worker_(std::make_unique<Worker>()) {
+template <>
+PrefillPath<bf16>::PrefillPath(bool amx) : worker_(std::make_unique<Worker>()) {
   worker_->amx = amx;
 #if WIDELLM_HAS_AMX
   if (amx) worker_->tiles.emplace();
 #endif
 }
 
-Bf16Path::~Bf16Path() = default;
+template <>
+PrefillPath<bf16>::~PrefillPath() = default;
 
-void Bf16Path::attend(RowView<bf16> q, int64_t i0, int64_t n, int64_t p0, const bf16* k_packed,
+template <>
+void PrefillPath<bf16>::attend(RowView<bf16> q, int64_t i0, int64_t n, int64_t p0, const bf16* k_packed,
                       const bf16* v_pairs, int64_t Dk, int64_t Dv, float scale, bf16* out,
                       int64_t out_row) {
   [[maybe_unused]] const bool amx = worker_->amx;

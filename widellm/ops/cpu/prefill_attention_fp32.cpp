@@ -141,11 +141,14 @@ inline float exp_row(const float* s, int64_t len, float scale, float* p, int64_t
 
 }  // namespace
 
-int64_t Fp32Path::key_elems(int64_t L, int64_t Dk) { return round_up(L, kLanes) * Dk; }
+template <>
+int64_t PrefillPath<float>::key_elems(int64_t L, int64_t Dk) { return round_up(L, kLanes) * Dk; }
 
-int64_t Fp32Path::value_elems(int64_t L, int64_t Dv) { return L * Dv; }
+template <>
+int64_t PrefillPath<float>::value_elems(int64_t L, int64_t Dv) { return L * Dv; }
 
-void Fp32Path::pack(RowView<float> k, RowView<float> v, int64_t l0, int64_t l1, int64_t L,
+template <>
+void PrefillPath<float>::pack(RowView<float> k, RowView<float> v, int64_t l0, int64_t l1, int64_t L,
                     int64_t Dk, int64_t Dv, float* k_packed, float* values) {
   for (int64_t l = l0; l < l1; ++l) {
     float* panel = k_packed + l / kLanes * kLanes * Dk;
@@ -160,18 +163,22 @@ void Fp32Path::pack(RowView<float> k, RowView<float> v, int64_t l0, int64_t l1, 
     }
 }
 
-struct Fp32Path::Worker {
+template <>
+struct PrefillPath<float>::Worker {
   // Uninitialised growth, as in the bf16 path: every element is written before it is read.
   ScratchVector<float> scores;  // [16][lds]: keys rounded up to 8, then a cache line
   ScratchVector<float> probs;   // [16][ldp], likewise
   float inv_sum[kBlock];        // 1 / the sum of each query row's exps
 };
 
-Fp32Path::Fp32Path() : worker_(std::make_unique<Worker>()) {}
+template <>
+PrefillPath<float>::PrefillPath(bool) : worker_(std::make_unique<Worker>()) {}
 
-Fp32Path::~Fp32Path() = default;
+template <>
+PrefillPath<float>::~PrefillPath() = default;
 
-void Fp32Path::attend(RowView<float> q, int64_t i0, int64_t n, int64_t p0, const float* k_packed,
+template <>
+void PrefillPath<float>::attend(RowView<float> q, int64_t i0, int64_t n, int64_t p0, const float* k_packed,
                       const float* values, int64_t Dk, int64_t Dv, float scale, float* out,
                       int64_t out_row) {
   Worker& s = *worker_;
