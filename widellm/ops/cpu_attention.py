@@ -68,7 +68,7 @@ def prefill_attention_kernels(q: torch.Tensor, head_size: int, v_head_size: int)
     """The kernels module when its causal prefill kernel runs for ``q`` (on CPU: bf16 with AMX
     or AVX512-BF16 and head sizes multiples of 32, or fp32 with AVX2 + FMA and multiples of 8),
     else None: callers then take their torch SDPA path."""
-    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float32):
+    if q.device.type != "cpu":
         return None
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.prefill_attention_supported(head_size, v_head_size,

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 
 namespace widellm_cpu::prefill {
 
@@ -31,6 +32,27 @@ struct RowView {
   const T* data;
   int64_t row;
 };
+
+template <int kR>
+using Rows = std::integral_constant<int, kR>;
+
+// The row groups of a block of n queries, as the vector paths accumulate them: f(Rows<kGroup>(),
+// r) for r = 0, kGroup, ..., then f(Rows<n % kGroup>(), r) for the rows left (each count its
+// own instantiation of f's body).
+template <int kGroup, typename F>
+void for_row_groups(int64_t n, F&& f) {
+  static_assert(kGroup >= 1 && kGroup <= 6, "the switch below covers the counts below 6");
+  int64_t r = 0;
+  for (; r + kGroup <= n; r += kGroup) f(Rows<kGroup>(), r);
+  switch (n - r) {
+    case 5: if constexpr (kGroup > 5) f(Rows<5>(), r); break;
+    case 4: if constexpr (kGroup > 4) f(Rows<4>(), r); break;
+    case 3: if constexpr (kGroup > 3) f(Rows<3>(), r); break;
+    case 2: if constexpr (kGroup > 2) f(Rows<2>(), r); break;
+    case 1: if constexpr (kGroup > 1) f(Rows<1>(), r); break;
+    default: break;
+  }
+}
 
 // One path per element type: prefill_attention_bf16.cpp specializes these members for
 // at::BFloat16 (built where the CPU has AVX512-BF16), prefill_attention_fp32.cpp for float

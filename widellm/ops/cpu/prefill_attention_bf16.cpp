@@ -121,20 +121,10 @@ void score_rows(const bf16* q, int64_t q_stride, const bf16* k_packed, int64_t k
 // of rows up to its last row's causal prefix.
 void score_block_vectors(const bf16* q, int64_t q_stride, int64_t n, int64_t p0,
                          const bf16* k_packed, int64_t Dk, float* scores, int64_t lds) {
-  int64_t r = 0;
-  for (; r + kGroupRows <= n; r += kGroupRows)
-    score_rows<kGroupRows>(q + r * q_stride, q_stride, k_packed, p0 + r + kGroupRows, Dk,
-                           scores + r * lds, lds);
-  const bf16* qr = q + r * q_stride;
-  float* sr = scores + r * lds;
-  switch (n - r) {
-    case 5: score_rows<5>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
-    case 4: score_rows<4>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
-    case 3: score_rows<3>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
-    case 2: score_rows<2>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
-    case 1: score_rows<1>(qr, q_stride, k_packed, p0 + n, Dk, sr, lds); break;
-    default: break;
-  }
+  for_row_groups<kGroupRows>(n, [&](auto rows, int64_t r) {
+    constexpr int kR = decltype(rows)::value;
+    score_rows<kR>(q + r * q_stride, q_stride, k_packed, p0 + r + kR, Dk, scores + r * lds, lds);
+  });
 }
 
 // out rows [0, kR) (row stride out_row), columns [c0, c0 + 16 * kC) <- row_scale[r] *
@@ -176,20 +166,11 @@ void value_rows(const bf16* probs, int64_t ldp, int64_t keys, const bf16* v_pair
 void value_block_vectors(const bf16* probs, int64_t ldp, int64_t n, int64_t p0,
                          const bf16* v_pairs, int64_t Dv, const float* row_scale, bf16* out,
                          int64_t out_row) {
-  int64_t r = 0;
-  for (; r + kGroupRows <= n; r += kGroupRows)
-    value_rows<kGroupRows>(probs + r * ldp, ldp, p0 + r + kGroupRows, v_pairs, Dv,
-                           row_scale + r, out + r * out_row, out_row);
-  const bf16* pr = probs + r * ldp;
-  bf16* orow = out + r * out_row;
-  switch (n - r) {
-    case 5: value_rows<5>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
-    case 4: value_rows<4>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
-    case 3: value_rows<3>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
-    case 2: value_rows<2>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
-    case 1: value_rows<1>(pr, ldp, p0 + n, v_pairs, Dv, row_scale + r, orow, out_row); break;
-    default: break;
-  }
+  for_row_groups<kGroupRows>(n, [&](auto rows, int64_t r) {
+    constexpr int kR = decltype(rows)::value;
+    value_rows<kR>(probs + r * ldp, ldp, p0 + r + kR, v_pairs, Dv, row_scale + r,
+                   out + r * out_row, out_row);
+  });
 }
 
 #if WIDELLM_HAS_AMX
@@ -283,7 +264,9 @@ void score_tiles(const bf16* q, int64_t q_stride, const bf16* k_packed, int64_t 
 }  // namespace
 
 template <>
-int64_t PrefillPath<bf16>::key_elems(int64_t L, int64_t Dk) { return (L + kTile - 1) / kTile * kTile * Dk; }
+int64_t PrefillPath<bf16>::key_elems(int64_t L, int64_t Dk) {
+  return (L + kTile - 1) / kTile * kTile * Dk;
+}
 
 template <>
 int64_t PrefillPath<bf16>::value_elems(int64_t L, int64_t Dv) {
@@ -292,7 +275,7 @@ int64_t PrefillPath<bf16>::value_elems(int64_t L, int64_t Dv) {
 
 template <>
 void PrefillPath<bf16>::pack(RowView<bf16> k, RowView<bf16> v, int64_t l0, int64_t l1, int64_t L,
-                    int64_t Dk, int64_t Dv, bf16* k_packed, bf16* v_pairs) {
+                             int64_t Dk, int64_t Dv, bf16* k_packed, bf16* v_pairs) {
   for (int64_t l = l0; l < l1; ++l)
     pack_row(k.data + l * k.row, Dk, k_packed + l / kTile * kTile * Dk, l % kTile);
   const std::vector<bf16> zero(Dv, bf16(0.f));
@@ -330,9 +313,9 @@ template <>
 PrefillPath<bf16>::~PrefillPath() = default;
 
 template <>
-void PrefillPath<bf16>::attend(RowView<bf16> q, int64_t i0, int64_t n, int64_t p0, const bf16* k_packed,
-                      const bf16* v_pairs, int64_t Dk, int64_t Dv, float scale, bf16* out,
-                      int64_t out_row) {
+void PrefillPath<bf16>::attend(RowView<bf16> q, int64_t i0, int64_t n, int64_t p0,
+                               const bf16* k_packed, const bf16* v_pairs, int64_t Dk, int64_t Dv,
+                               float scale, bf16* out, int64_t out_row) {
   [[maybe_unused]] const bool amx = worker_->amx;
   BlockScratch& s = worker_->scratch;
   const int64_t keys = p0 + n;  // the last query sees positions [0, p0 + n)

@@ -19,14 +19,13 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 namespace widellm_cpu::prefill {
 namespace {
 
-constexpr int64_t kLanes = 8;  // floats of a 256-bit vector, and keys of a packed panel
-constexpr int kGroupRows = 6;  // query rows accumulated together
+constexpr int64_t kLanes = 8;     // floats of a 256-bit vector, and keys of a packed panel
+constexpr int kGroupRows = 6;     // query rows accumulated together
 constexpr int kGroupVectors = 2;  // 8-wide key or value-column vectors per pass
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -96,26 +95,6 @@ void value_rows(const float* probs, int64_t ldp, int64_t keys, const float* valu
   if (c0 < Dv) value_vectors<kR, 1>(probs, ldp, keys, values, Dv, c0, row_scale, out, out_row);
 }
 
-template <int kR>
-using Rows = std::integral_constant<int, kR>;
-
-// The row groups of a block of n queries: f(Rows<kGroupRows>(), r) for r = 0, kGroupRows, ...,
-// then f(Rows<n % kGroupRows>(), r) for the rows left (each count its own instantiation).
-template <typename F>
-void for_row_groups(int64_t n, F&& f) {
-  static_assert(kGroupRows == 6, "the switch below covers the counts below 6");
-  int64_t r = 0;
-  for (; r + kGroupRows <= n; r += kGroupRows) f(Rows<kGroupRows>(), r);
-  switch (n - r) {
-    case 5: f(Rows<5>(), r); break;
-    case 4: f(Rows<4>(), r); break;
-    case 3: f(Rows<3>(), r); break;
-    case 2: f(Rows<2>(), r); break;
-    case 1: f(Rows<1>(), r); break;
-    default: break;
-  }
-}
-
 // p[:len] <- exp(scale * (s[j] - max_j s[j])), p[len:K8] <- 0 (K8 >= len, a multiple of 8);
 // returns the sum of the exps. Scores past len may be stale (even NaN): they are masked off.
 inline float exp_row(const float* s, int64_t len, float scale, float* p, int64_t K8) {
@@ -148,8 +127,9 @@ template <>
 int64_t PrefillPath<float>::value_elems(int64_t L, int64_t Dv) { return L * Dv; }
 
 template <>
-void PrefillPath<float>::pack(RowView<float> k, RowView<float> v, int64_t l0, int64_t l1, int64_t L,
-                    int64_t Dk, int64_t Dv, float* k_packed, float* values) {
+void PrefillPath<float>::pack(RowView<float> k, RowView<float> v, int64_t l0, int64_t l1,
+                              int64_t L, int64_t Dk, int64_t Dv, float* k_packed,
+                              float* values) {
   for (int64_t l = l0; l < l1; ++l) {
     float* panel = k_packed + l / kLanes * kLanes * Dk;
     const float* src = k.data + l * k.row;
@@ -178,9 +158,9 @@ template <>
 PrefillPath<float>::~PrefillPath() = default;
 
 template <>
-void PrefillPath<float>::attend(RowView<float> q, int64_t i0, int64_t n, int64_t p0, const float* k_packed,
-                      const float* values, int64_t Dk, int64_t Dv, float scale, float* out,
-                      int64_t out_row) {
+void PrefillPath<float>::attend(RowView<float> q, int64_t i0, int64_t n, int64_t p0,
+                                const float* k_packed, const float* values, int64_t Dk,
+                                int64_t Dv, float scale, float* out, int64_t out_row) {
   Worker& s = *worker_;
   const int64_t keys = p0 + n;  // the last query sees positions [0, p0 + n)
   const int64_t K8 = round_up(keys, kLanes);
@@ -189,15 +169,16 @@ void PrefillPath<float>::attend(RowView<float> q, int64_t i0, int64_t n, int64_t
   s.scores.resize(kBlock * ld);
   s.probs.resize(kBlock * ld);
   const float* qa = q.data + i0 * q.row;
-  for_row_groups(n, [&](auto rows, int64_t r) {
+  for_row_groups<kGroupRows>(n, [&](auto rows, int64_t r) {
     constexpr int kR = decltype(rows)::value;
-    score_rows<kR>(qa + r * q.row, q.row, k_packed, p0 + r + kR, Dk, s.scores.data() + r * ld, ld);
+    score_rows<kR>(qa + r * q.row, q.row, k_packed, p0 + r + kR, Dk, s.scores.data() + r * ld,
+                   ld);
   });
   for (int64_t r = 0; r < n; ++r)
     s.inv_sum[r] = 1.f / exp_row(s.scores.data() + r * ld, p0 + r + 1, scale,
                                  s.probs.data() + r * ld, K8);
   float* o = out + i0 * out_row;
-  for_row_groups(n, [&](auto rows, int64_t r) {
+  for_row_groups<kGroupRows>(n, [&](auto rows, int64_t r) {
     constexpr int kR = decltype(rows)::value;
     value_rows<kR>(s.probs.data() + r * ld, ld, p0 + r + kR, values, Dv, s.inv_sum + r,
                    o + r * out_row, out_row);
