@@ -49,6 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("allow_amx") = true, ReleaseGil());
   m.def("moe_combine", &moe_combine, ReleaseGil(),
         "sum_j weights[t, j] * y[t * k + j] in fp32, rounded once (CPU)");
+  m.def("store_kv_cache", &store_kv_cache, ReleaseGil(),
+        "rows[slot_mapping[t]] <- src[t]: a step's keys or values into the paged cache (CPU)");
   m.def("fused_experts_backend", &fused_experts_backend,
         "Path of fused_experts for (hidden_size, intermediate_size): amx, avx512_bf16 or none");
   m.def("fused_experts", &fused_experts, ReleaseGil(),

@@ -34,17 +34,18 @@ inline torch::Tensor packed_linear(const c10::OperatorHandle& op, const torch::T
 }
 
 // rows [num_slots, ...] <- src [T, ...] at slots [T], writing src's per-token values (contiguous
-// within a token, any token stride) from column offset `col` of each cache row. Slots are
-// checked by check_slots.
+// within a token, any token stride) from column offset `col` of each cache row, for tokens
+// [t0, t1) (all of them by default). Slots are checked by check_slots.
 inline void store_rows(const torch::Tensor& src, torch::Tensor& rows, const int64_t* slots,
-                       int64_t col = 0) {
+                       int64_t col = 0, int64_t t0 = 0, int64_t t1 = -1) {
   const int64_t T = src.size(0);
   const int64_t bytes = src.numel() / std::max<int64_t>(T, 1) * src.element_size();
   const char* sp = static_cast<const char*>(src.data_ptr());
   char* cp = static_cast<char*>(rows.data_ptr()) + col * rows.element_size();
   const int64_t s_stride = src.stride(0) * src.element_size();
   const int64_t c_stride = rows.stride(0) * rows.element_size();
-  for (int64_t t = 0; t < T; ++t) std::memcpy(cp + slots[t] * c_stride, sp + t * s_stride, bytes);
+  for (int64_t t = t0, end = t1 < 0 ? T : t1; t < end; ++t)
+    std::memcpy(cp + slots[t] * c_stride, sp + t * s_stride, bytes);
 }
 
 inline void check_slots(const torch::Tensor& slot_mapping, int64_t T, int64_t num_slots,

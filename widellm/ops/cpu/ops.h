@@ -36,6 +36,7 @@ void prefill_attention_batch(torch::Tensor q, torch::Tensor out, std::vector<tor
                              double scale, bool allow_amx);
 
 torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights);
+void store_kv_cache(torch::Tensor src, torch::Tensor rows, torch::Tensor slot_mapping);
 
 std::vector<torch::Tensor> llama_decode_layers(
     torch::Tensor hidden, torch::Tensor positions,

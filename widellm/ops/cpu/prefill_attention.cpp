@@ -100,10 +100,13 @@ void run_batch(const torch::Tensor& q, torch::Tensor& out, const std::vector<tor
     }
   });
 
-  // 2. Tasks (chunk, pair of query blocks, head), longest contexts first, taken by the threads
+  // 2. Tasks (chunk, pair of query blocks, KV head), longest contexts first, taken by the threads
   // in turn: chunks of different lengths would leave a static split unbalanced.
+  // A task covers the G query heads of one KV head: they read the same packed keys and values,
+  // and their query rows are adjacent in each token's row (one stream of cache lines instead
+  // of G tasks on either thread touching every G-th head's rows).
   struct AttendTask {
-    int64_t chunk, pair, head;
+    int64_t chunk, pair, kv_head;
   };
   std::vector<int64_t> order(n);
   for (int64_t i = 0; i < n; ++i) order[i] = i;
@@ -112,7 +115,7 @@ void run_batch(const torch::Tensor& q, torch::Tensor& out, const std::vector<tor
   std::vector<AttendTask> tasks;
   for (int64_t i : order)
     for (int64_t pair = 0; pair < chunks[i].pairs; ++pair)
-      for (int64_t head = 0; head < H; ++head) tasks.push_back({i, pair, head});
+      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({i, pair, h});
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const float fscale = static_cast<float>(scale);
   const T* qd = q.data_ptr<T>();
@@ -122,18 +125,19 @@ void run_batch(const torch::Tensor& q, torch::Tensor& out, const std::vector<tor
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Path worker(amx);  // on this thread: AMX tiles are configured per thread
     for (int64_t t = next.fetch_add(1); t < num_tasks; t = next.fetch_add(1)) {
-      const auto [i, pair, head] = tasks[t];
+      const auto [i, pair, h] = tasks[t];
       const Chunk<T>& c = chunks[i];
-      const int64_t h = head / G;
-      auto attend = [&](int64_t b) {
+      auto attend = [&](int64_t b, int64_t head) {
         const int64_t i0 = b * kBlock;
         worker.attend({qd + c.q0 * q.stride(0) + head * q.stride(1), q.stride(0)}, i0,
                       std::min(kBlock, c.Lq - i0), c.L - c.Lq + i0,
                       kp + c.k_packed + h * c.k_elems, vp + c.v_packed + h * c.v_elems, Dk, Dv,
                       fscale, od + c.q0 * out.stride(0) + head * out.stride(1), out.stride(0));
       };
-      attend(pair);
-      if (c.blocks - 1 - pair != pair) attend(c.blocks - 1 - pair);
+      for (int64_t head = h * G; head < (h + 1) * G; ++head) {
+        attend(pair, head);
+        if (c.blocks - 1 - pair != pair) attend(c.blocks - 1 - pair, head);
+      }
     }
   });
 }
