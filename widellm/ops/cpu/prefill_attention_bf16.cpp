@@ -55,8 +55,7 @@ inline float exp_row(const float* s, int64_t len, float scale, bf16* p, int64_t 
     const __m512 x = _mm512_maskz_loadu_ps(valid, s + j);
     const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_fmsub_ps(x, vscale, shift)));
     vsum = _mm512_add_ps(vsum, e);
-    const __m256bh rounded = _mm512_cvtneps_pbh(e);
-    std::memcpy(p + j, &rounded, sizeof(rounded));
+    store_bf16(p + j, e);
   }
   return _mm512_reduce_add_ps(vsum);
 }
