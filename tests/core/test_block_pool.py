@@ -2,12 +2,16 @@
 
 import pytest
 
+from widellm.core.block_hash import ROOT_BLOCK_HASH, hash_block_tokens
 from widellm.core.block_pool import BlockPool
 
-# Arbitrary distinct prefix-cache hashes; the pool treats them as opaque keys.
-HASH_A = 111
-HASH_B = 222
-HASH_C = 333
+# Distinct blocks' contents and their prefix-cache keys; the pool treats keys as opaque.
+TOKENS_A = (1, 2, 3, 4)
+TOKENS_B = (5, 6, 7, 8)
+TOKENS_C = (9, 10, 11, 12)
+HASH_A = hash_block_tokens(ROOT_BLOCK_HASH, TOKENS_A)
+HASH_B = hash_block_tokens(ROOT_BLOCK_HASH, TOKENS_B)
+HASH_C = hash_block_tokens(ROOT_BLOCK_HASH, TOKENS_C)
 
 
 def test_new_pool_hands_out_blocks_in_id_order():
@@ -52,11 +56,12 @@ def test_module_docstring_example_holds_exactly():
     assert (a.block_id, b.block_id) == (0, 1)
     assert pool.free_block_queue.block_ids() == [2, 3]
 
-    pool.cache_block(a, block_hash=HASH_A)
+    pool.cache_block(a, HASH_A, [5, 6])
     pool.free_blocks([b, a])
     assert pool.free_block_queue.block_ids() == [2, 3, 1, 0]
-    assert a.block_hash == HASH_A
-    assert pool.get_cached_block(HASH_A) is a
+    assert a.block_hash == HASH_A and a.block_tokens == (5, 6)
+    assert pool.get_cached_block(HASH_A, [5, 6]) is a
+    assert pool.get_cached_block(HASH_A, [5, 7]) is None
 
     pool.touch([a])
     assert a.ref_cnt == 1
@@ -67,7 +72,7 @@ def test_module_docstring_example_holds_exactly():
 def test_touch_unlinks_a_revived_block_from_the_middle_of_the_queue():
     pool = BlockPool(5, enable_caching=True)
     blocks = pool.get_new_blocks(5)
-    pool.cache_block(blocks[2], HASH_A)
+    pool.cache_block(blocks[2], HASH_A, TOKENS_A)
     pool.free_blocks(blocks)
     assert pool.free_block_queue.block_ids() == [0, 1, 2, 3, 4]
 
@@ -81,7 +86,7 @@ def test_touch_unlinks_a_revived_block_from_the_middle_of_the_queue():
     assert pool.free_block_queue.block_ids() == [0, 1, 3, 4]
     assert pool.num_free_blocks == 4
     # Revival keeps the hash: the block is still a prefix-cache hit for others.
-    assert pool.get_cached_block(HASH_A) is blocks[2]
+    assert pool.get_cached_block(HASH_A, TOKENS_A) is blocks[2]
     # The remaining queue still pops in the same order.
     assert [b.block_id for b in pool.get_new_blocks(4)] == [0, 1, 3, 4]
 
@@ -111,15 +116,15 @@ def test_touching_a_held_block_only_adds_a_reference():
 def test_eviction_drops_the_hash_from_cached_blocks():
     pool = BlockPool(2, enable_caching=True)
     b0, b1 = pool.get_new_blocks(2)
-    pool.cache_block(b0, HASH_A)
-    pool.cache_block(b1, HASH_B)
+    pool.cache_block(b0, HASH_A, TOKENS_A)
+    pool.cache_block(b1, HASH_B, TOKENS_B)
     pool.free_blocks([b0, b1])
 
     (reused,) = pool.get_new_blocks(1)
 
     assert reused is b0
     assert reused.block_hash is None
-    assert pool.get_cached_block(HASH_A) is None
+    assert pool.get_cached_block(HASH_A, TOKENS_A) is None
     assert pool.cached_blocks == {HASH_B: b1}
 
 
@@ -143,10 +148,11 @@ def test_two_holders_of_one_block():
 def test_cache_block_first_block_with_a_hash_wins():
     pool = BlockPool(2, enable_caching=True)
     first, second = pool.get_new_blocks(2)
-    pool.cache_block(first, HASH_A)
+    pool.cache_block(first, HASH_A, TOKENS_A)
 
-    pool.cache_block(second, HASH_A)  # same content computed privately by another request
-    pool.cache_block(first, HASH_C)  # a block keeps the hash it was registered with
+    # The same content computed privately by another request.
+    pool.cache_block(second, HASH_A, TOKENS_A)
+    pool.cache_block(first, HASH_C, TOKENS_C)  # a block keeps the hash it was registered with
 
     assert second.block_hash is None
     assert first.block_hash == HASH_A
@@ -157,7 +163,7 @@ def test_cache_block_is_a_no_op_without_caching():
     pool = BlockPool(2, enable_caching=False)
     (block,) = pool.get_new_blocks(1)
 
-    pool.cache_block(block, HASH_A)
+    pool.cache_block(block, HASH_A, TOKENS_A)
 
     assert block.block_hash is None
     assert pool.cached_blocks == {}
@@ -166,8 +172,8 @@ def test_cache_block_is_a_no_op_without_caching():
 def test_reset_prefix_cache_refuses_while_blocks_are_in_use():
     pool = BlockPool(2, enable_caching=True)
     b0, b1 = pool.get_new_blocks(2)
-    pool.cache_block(b0, HASH_A)
-    pool.cache_block(b1, HASH_B)
+    pool.cache_block(b0, HASH_A, TOKENS_A)
+    pool.cache_block(b1, HASH_B, TOKENS_B)
     pool.free_blocks([b0])
 
     assert pool.reset_prefix_cache() is False
@@ -197,7 +203,7 @@ def test_usage_counts_cached_free_blocks_as_free():
     _, b1 = pool.get_new_blocks(2)
     assert pool.usage() == 0.5
 
-    pool.cache_block(b1, HASH_A)
+    pool.cache_block(b1, HASH_A, TOKENS_A)
     pool.free_blocks([b1])
     assert pool.usage() == 0.25
 
@@ -205,3 +211,32 @@ def test_usage_counts_cached_free_blocks_as_free():
 def test_pool_needs_at_least_one_block():
     with pytest.raises(ValueError, match="num_blocks must be >= 1"):
         BlockPool(0, enable_caching=True)
+
+
+# ---- the token check on a hit --------------------------------------------------------------
+
+
+def test_a_key_found_with_other_tokens_is_a_miss():
+    pool = BlockPool(2, enable_caching=True)
+    (block,) = pool.get_new_blocks(1)
+    pool.cache_block(block, HASH_A, TOKENS_A)
+
+    # Same key, other contents (a clash): the block's KV is not theirs.
+    assert pool.get_cached_block(HASH_A, TOKENS_B) is None
+    assert pool.get_cached_block(HASH_A, TOKENS_A[:3]) is None
+    assert pool.get_cached_block(HASH_A, list(TOKENS_A)) is block
+
+
+def test_eviction_and_reset_forget_the_cached_tokens():
+    pool = BlockPool(2, enable_caching=True)
+    b0, b1 = pool.get_new_blocks(2)
+    pool.cache_block(b0, HASH_A, TOKENS_A)
+    pool.cache_block(b1, HASH_B, TOKENS_B)
+    pool.free_blocks([b0, b1])
+
+    (reused,) = pool.get_new_blocks(1)
+    assert reused is b0 and reused.block_tokens is None
+
+    pool.free_blocks([reused])
+    assert pool.reset_prefix_cache() is True
+    assert (b0.block_tokens, b1.block_tokens) == (None, None)

@@ -1,6 +1,11 @@
 """KVCacheManager: chained block hashes, prefix-cache lookups, allocation and freeing."""
 
-from widellm.core.kv_cache_manager import ROOT_BLOCK_HASH, KVCacheManager, hash_block_tokens
+from tests.core.old_hash_collision import (
+    COLLIDING_BLOCK_A, COLLIDING_BLOCK_B, COLLIDING_BLOCK_SIZE, old_chain_block_hashes,
+)
+from widellm.core import block_hash, kv_cache_manager
+from widellm.core.block_hash import ROOT_BLOCK_HASH, hash_block_tokens
+from widellm.core.kv_cache_manager import KVCacheManager
 from widellm.core.request import Request
 from widellm.sampling_params import SamplingParams
 
@@ -10,15 +15,17 @@ EOS = 2
 MAX_TOKENS = 8
 
 
-def make_request(req_id: str, prompt: list[int], **params) -> Request:
+def make_request(req_id: str, prompt: list[int], cache_salt: str | None = None,
+                 **params) -> Request:
     return Request(
         req_id, prompt, SamplingParams(**params), eos_token_ids=frozenset({EOS}),
-        max_tokens=MAX_TOKENS,
+        max_tokens=MAX_TOKENS, cache_salt=cache_salt,
     )
 
 
-def make_manager(num_blocks: int, enable_caching: bool = True) -> KVCacheManager:
-    return KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching)
+def make_manager(num_blocks: int, enable_caching: bool = True,
+                 block_size: int = BLOCK_SIZE) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, enable_caching)
 
 
 def admit(manager: KVCacheManager, request: Request) -> list[int]:
@@ -262,3 +269,96 @@ def test_reset_prefix_cache_only_when_idle():
     manager.free(req)
     assert manager.reset_prefix_cache() is True
     assert manager.get_computed_blocks(make_request("again", [1] * 9)) == ([], 0)
+
+
+# ---- collisions and the token check ----------------------------------------------------------
+
+
+def test_blocks_colliding_under_the_old_scheme_are_never_shared():
+    bs = COLLIDING_BLOCK_SIZE
+    manager = make_manager(8, block_size=bs)
+    a = make_request("a", COLLIDING_BLOCK_A + [7])
+    b = make_request("b", COLLIDING_BLOCK_B + [7])
+    manager.update_block_hashes(a)
+    manager.update_block_hashes(b)
+    # The old keys of the two first blocks are equal; the new ones are not.
+    assert (old_chain_block_hashes(a.all_token_ids, bs)
+            == old_chain_block_hashes(b.all_token_ids, bs))
+    assert a.block_hashes != b.block_hashes
+
+    assert admit(manager, a) == [0, 1]
+    assert manager.get_computed_blocks(b) == ([], 0)
+    assert admit(manager, b) == [2, 3]
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (34, 0)
+    assert [blk.ref_cnt for blk in manager.block_pool.blocks[:4]] == [1, 1, 1, 1]
+
+
+def test_the_token_check_refuses_the_old_schemes_collision(monkeypatch):
+    # Put the old keys back: b's first key now finds a's block, whose tokens differ.
+    monkeypatch.setattr(kv_cache_manager, "chain_block_hashes", old_chain_block_hashes)
+    bs = COLLIDING_BLOCK_SIZE
+    manager = make_manager(8, block_size=bs)
+    a = make_request("a", COLLIDING_BLOCK_A + [7])
+    b = make_request("b", COLLIDING_BLOCK_B + [7])
+    assert admit(manager, a) == [0, 1]
+    manager.update_block_hashes(b)
+    assert b.block_hashes[0] in manager.block_pool.cached_blocks
+
+    assert manager.get_computed_blocks(b) == ([], 0)
+    assert admit(manager, b) == [2, 3]
+    # The same prompt as a still hits its block: the check refuses only other contents.
+    hits, num_hit = manager.get_computed_blocks(make_request("a2", COLLIDING_BLOCK_A + [7]))
+    assert [blk.block_id for blk in hits] == [0] and num_hit == bs
+
+
+def test_the_token_check_refuses_a_forced_key_clash(monkeypatch):
+    # Every block of every request gets one key.
+    monkeypatch.setattr(block_hash, "_digest", lambda data: b"\x00" * 32)
+    manager = make_manager(8)
+    a = make_request("a", [1, 1, 1, 1, 2, 2, 2, 2, 9])
+    assert admit(manager, a) == [0, 1, 2]
+    assert a.block_hashes == [b"\x00" * 32] * 2
+    # The first block wins the key; block 1 stays private.
+    assert manager.block_pool.cached_blocks == {b"\x00" * 32: manager.block_pool.blocks[0]}
+
+    other = make_request("other", [3, 3, 3, 3, 2, 2, 2, 2, 9])
+    assert manager.get_computed_blocks(other) == ([], 0)
+    assert admit(manager, other) == [3, 4, 5]
+
+    # The same prompt hits block 0; its block 1 finds block 0 under the same key and misses.
+    hits, num_hit = manager.get_computed_blocks(make_request("again", a.prompt_token_ids))
+    assert [blk.block_id for blk in hits] == [0] and num_hit == BLOCK_SIZE
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (18, 0)
+
+
+# ---- cache_salt ------------------------------------------------------------------------------
+
+
+def test_cache_salt_shares_within_a_salt_and_never_across():
+    manager = make_manager(16)
+    prompt = [3, 3, 3, 3, 4, 4, 4, 4, 5]  # 2 full blocks, 8 tokens a hit can cover
+    assert admit(manager, make_request("a1", prompt, cache_salt="tenant-a")) == [0, 1, 2]
+    assert admit(manager, make_request("a2", prompt, cache_salt="tenant-a")) == [0, 1, 3]
+    assert manager.prefix_cache_hits == 8
+
+    assert admit(manager, make_request("b1", prompt, cache_salt="tenant-b")) == [4, 5, 6]
+    assert manager.prefix_cache_hits == 8
+    assert admit(manager, make_request("none1", prompt)) == [7, 8, 9]
+    assert manager.prefix_cache_hits == 8
+    assert admit(manager, make_request("none2", prompt)) == [7, 8, 10]
+    assert admit(manager, make_request("b2", prompt, cache_salt="tenant-b")) == [4, 5, 11]
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (54, 24)
+
+
+def test_the_salt_stays_in_the_keys_of_blocks_filled_by_decoding():
+    manager = make_manager(8)
+    salted = make_request("s", [1, 1, 1, 1, 2, 2], cache_salt="x")
+    plain = make_request("p", [1, 1, 1, 1, 2, 2])
+    for req in (salted, plain):
+        manager.update_block_hashes(req)
+        req.append_output_token(3)
+        req.append_output_token(3)
+        manager.update_block_hashes(req)
+    assert len(salted.block_hashes) == len(plain.block_hashes) == 2
+    assert salted.block_hashes[1] == hash_block_tokens(salted.block_hashes[0], [2, 2, 3, 3])
+    assert all(s != p for s, p in zip(salted.block_hashes, plain.block_hashes))

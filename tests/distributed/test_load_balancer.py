@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from widellm.core.kv_cache_manager import KVCacheManager
+from widellm.core.request import Request
 from widellm.distributed.load_balancer import DPLoadBalancer
+from widellm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 
@@ -106,6 +109,41 @@ def test_long_shared_prefix_attracts_despite_slightly_higher_load():
     prompt = base + _prompt(3, 10)
     assert lb.prefix_match_blocks(prompt) == [8, 0]
     assert lb.choose_rank(prompt) == 0  # credit 8 x 0.5 = 4: 2 - 4 < 1
+
+
+# ---- keys shared with the engine -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_balancer_and_block_pool_agree_on_keys(salt):
+    prompt = _prompt(5, 6 * BLOCK_SIZE + 3)  # 6 full blocks and a partial one
+    request = Request("r", prompt, SamplingParams(), eos_token_ids=frozenset(), max_tokens=4,
+                      cache_salt=salt)
+    manager = KVCacheManager(16, BLOCK_SIZE, enable_caching=True)
+    hits, _ = manager.get_computed_blocks(request)
+    manager.allocate_slots(request, request.num_tokens, hits)
+    pool_keys = [blk.block_hash for blk in manager.req_to_blocks["r"][:6]]
+
+    keys = _lb(2).block_hashes(prompt, salt)
+    assert len(keys) == 6
+    assert keys == request.block_hashes == pool_keys
+    assert all(isinstance(k, bytes) and len(k) == 32 for k in keys)
+
+
+def test_salted_prompts_match_only_their_own_salt():
+    lb, base = _lb_with_prefix_on_rank0()  # base on rank 0 without a salt
+    prompt = base + _prompt(3, 10)
+    assert lb.prefix_match_blocks(prompt) == [8, 0]
+    assert lb.prefix_match_blocks(prompt, "tenant-a") == [0, 0]
+
+    lb.update_stats(0, num_waiting=0, num_running=0)
+    lb.update_stats(1, num_waiting=0, num_running=0)
+    assert lb.choose_rank(base, "tenant-a") == 0  # round robin: no credit anywhere
+    assert lb.prefix_match_blocks(prompt, "tenant-a") == [8, 0]
+    assert lb.prefix_match_blocks(prompt, "tenant-b") == [0, 0]
+    lb.assign(1, base, "tenant-b")
+    assert lb.prefix_match_blocks(prompt, "tenant-b") == [0, 8]
+    assert lb.prefix_match_blocks(prompt) == [8, 0]
 
 
 def test_long_shared_prefix_ignored_when_rank_much_more_loaded():

@@ -1,36 +1,50 @@
-"""The pool of KV cache blocks: reference counts, prefix-cache hashes and an LRU free queue.
+"""The pool of KV cache blocks: reference counts, prefix-cache keys and an LRU free queue.
 
 A block whose reference count drops to zero goes to the tail of the free queue but keeps its
-hash, so a later request with the same prefix can revive it. New allocations take from the
-head, i.e. the least recently freed block is evicted first. Every operation is O(1) per block.
+key, so a later request with the same prefix can revive it. New allocations take from the
+head, i.e. the least recently freed block is evicted first. Every operation is O(1) per block
+(a lookup compares one block's token ids).
 
-Example (4 blocks, caching on)::
+Keys are ``widellm.core.block_hash`` digests (bytes). A cached block also remembers the token
+ids it holds, and a lookup whose tokens differ from them is a miss: should two contents ever
+share a key, neither request reads the other's KV.
+
+Example (4 blocks, caching on; ``key`` stands for a block's 32-byte hash)::
 
     pool = BlockPool(4, enable_caching=True)
     a, b = pool.get_new_blocks(2)          # ids 0, 1; free queue: [2, 3]
-    pool.cache_block(a, block_hash=111)
-    pool.free_blocks([b, a])               # free queue: [2, 3, 1, 0]; 0 still cached as 111
-    pool.get_cached_block(111) is a        # True: revivable until evicted
+    pool.cache_block(a, key, [5, 6])       # a holds tokens 5, 6 under key
+    pool.free_blocks([b, a])               # free queue: [2, 3, 1, 0]; 0 still cached
+    pool.get_cached_block(key, [5, 6]) is a    # True: revivable until evicted
+    pool.get_cached_block(key, [5, 7])     # None: same key, other tokens
     pool.touch([a])                        # ref 1 again, removed from the free queue
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from widellm.core.block_hash import BlockHash
+
+# Hex digits of a block's key shown in its repr: enough to tell blocks apart in a log.
+HASH_REPR_CHARS = 12
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_tokens", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: BlockHash | None = None
+        # The token ids a cached block holds, checked on every hit.
+        self.block_tokens: tuple[int, ...] | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        key = None if self.block_hash is None else self.block_hash.hex()[:HASH_REPR_CHARS]
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={key})"
 
 
 class FreeBlockQueue:
@@ -88,7 +102,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
-        self.cached_blocks: dict[int, KVCacheBlock] = {}
+        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,8 +112,13 @@ class BlockPool:
         """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash,
+                         token_ids: Sequence[int]) -> KVCacheBlock | None:
+        """The block cached under ``block_hash`` if it holds exactly ``token_ids``."""
+        block = self.cached_blocks.get(block_hash)
+        if block is None or block.block_tokens != tuple(token_ids):
+            return None
+        return block
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         if num_blocks > self.num_free_blocks:
@@ -129,14 +148,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
-        """Register a full block under its chained hash. A block with the same hash that is
-        already cached wins; the new one stays private to its request."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash,
+                    token_ids: Sequence[int]) -> None:
+        """Register a full block holding ``token_ids`` under its chained key. A block with the
+        same key that is already cached wins; the new one stays private to its request."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached_blocks:
             return
         block.block_hash = block_hash
+        block.block_tokens = tuple(token_ids)
         self.cached_blocks[block_hash] = block
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -145,6 +166,7 @@ class BlockPool:
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
         block.block_hash = None
+        block.block_tokens = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""
@@ -152,5 +174,6 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
+            block.block_tokens = None
         self.cached_blocks.clear()
         return True

@@ -1,24 +1,20 @@
 """Per-request block tables on top of the BlockPool, with prefix caching.
 
-Prefix caching: full block ``i`` of a request is identified by
-``hash((hash of block i-1, tokens of block i))``, so equal hashes mean equal whole prefixes.
-A new request looks its hashes up in order and reuses the longest run of hits; the last token
-of a prompt is always computed so that the model produces logits for it.
+Prefix caching: full block ``i`` of a request is keyed by ``widellm.core.block_hash``'s chain
+(sha256 over the key of block ``i - 1``, the tokens of block ``i`` and, for the first block,
+the request's ``cache_salt``), so equal keys mean equal whole prefixes under equal salts. A
+new request looks its keys up in order and reuses the longest run of hits whose cached
+tokens match its own; the last token of a prompt is always computed so that the model
+produces logits for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from widellm.core.block_hash import cache_salt_extra_keys, chain_block_hashes
 from widellm.core.block_pool import BlockPool, KVCacheBlock
 from widellm.core.request import Request
-
-# Parent hash of a request's first block; any fixed value works, it only seeds the chain.
-ROOT_BLOCK_HASH = 0
-
-
-def hash_block_tokens(parent_hash: int, token_ids: Sequence[int]) -> int:
-    return hash((parent_hash, tuple(token_ids)))
 
 
 class KVCacheManager:
@@ -47,10 +43,14 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         tokens = request.all_token_ids
-        while (len(hashes) + 1) * bs <= len(tokens):
-            start = len(hashes) * bs
-            parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
-            hashes.append(hash_block_tokens(parent, tokens[start:start + bs]))
+        start = len(hashes) * bs
+        if start + bs > len(tokens):  # the common decode step: no block filled up
+            return
+        if hashes:
+            hashes.extend(chain_block_hashes(tokens[start:], bs, parent=hashes[-1]))
+        else:
+            hashes.extend(chain_block_hashes(
+                tokens, bs, first_extra_keys=cache_salt_extra_keys(request.cache_salt)))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached blocks at the start of ``request``; (blocks, tokens covered).
@@ -60,10 +60,12 @@ class KVCacheManager:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self.update_block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        max_hit_blocks = (request.num_tokens - 1) // bs
+        tokens = request.all_token_ids
         hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
+        for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
+            block = self.block_pool.get_cached_block(block_hash, tokens[i * bs:(i + 1) * bs])
             if block is None:
                 break
             hits.append(block)
@@ -113,10 +115,13 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         self.update_block_hashes(request)
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        bs = self.block_size
+        num_full = min(num_tokens // bs, len(request.block_hashes))
         start = self.num_cached_blocks.get(request.request_id, 0)
+        tokens = request.all_token_ids
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i],
+                                        tokens[i * bs:(i + 1) * bs])
         self.num_cached_blocks[request.request_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:

@@ -40,7 +40,9 @@ class Request:
 
     ``num_computed_tokens`` counts tokens whose KV is in the cache (or scheduled to be written
     this step); the request wants ``num_tokens - num_computed_tokens`` more computed.
-    ``block_hashes[i]`` is the prefix-cache hash of full block ``i`` of ``all_token_ids``.
+    ``block_hashes[i]`` is the prefix-cache key of full block ``i`` of ``all_token_ids``
+    (``widellm.core.block_hash``); ``cache_salt`` goes into the first block's key, so requests
+    with different salts never share a cached block.
     With async scheduling, ``num_output_placeholders`` tokens are being sampled by steps in
     flight; the next step is scheduled as if they were known.
     """
@@ -49,7 +51,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "output_token_ids", "all_token_ids", "num_computed_tokens", "num_cached_tokens",
         "block_hashes", "status", "stop_reason", "max_tokens", "num_preemptions",
-        "num_output_placeholders",
+        "num_output_placeholders", "cache_salt",
     )
 
     def __init__(
@@ -60,6 +62,7 @@ class Request:
         eos_token_ids: frozenset[int],
         max_tokens: int,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -71,7 +74,8 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length, set on first scheduling
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

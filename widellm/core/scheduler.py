@@ -27,6 +27,10 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Filled in by the engine core (the scheduler does not time steps): steps taken since
+    # start and the wall time of the latest, which the frontend logs when a request stalls.
+    num_steps: int = 0
+    last_step_duration_s: float = 0.0
 
 
 class Scheduler:

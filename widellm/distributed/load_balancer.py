@@ -13,12 +13,13 @@ Load
     one row to each decode step, slowing every step a little.
 
 Prefix awareness
-    Per rank, a bounded LRU index of the chained hashes of the full blocks of the prompts sent
-    there (the engine's own ``hash_block_tokens``: block ``i``'s hash covers the whole prefix up
-    to it). A prompt's match on a rank is its longest run of leading block hashes found there;
-    a partial last block never counts. A match of ``m >= min_prefix_blocks`` blocks earns the
-    rank a credit ``slack(m) = min(max_prefix_slack, prefix_slack_per_block * m)`` load units.
-    The rank chosen minimises ``load - credit``. Equivalently: a rank with a long enough match
+    Per rank, a bounded LRU index of the chained keys of the full blocks of the prompts sent
+    there (the engine's own ``widellm.core.block_hash`` keys, salted by the request's
+    ``cache_salt`` exactly as the engine salts them: block ``i``'s key covers the whole prefix
+    up to it, so a prompt only matches blocks its salt may share). A prompt's match on a rank
+    is its longest run of leading block keys found there; a partial last block never counts.
+    A match of ``m >= min_prefix_blocks`` blocks earns the rank a credit
+    ``slack(m) = min(max_prefix_slack, prefix_slack_per_block * m)`` load units. The rank chosen minimises ``load - credit``. Equivalently: a rank with a long enough match
     wins over the least loaded rank iff its load exceeds it by at most ``slack(m)``; a longer
     prefix saves more prefill, so it is worth more queueing. Defaults: 0.5 per block (8 blocks
     earn one waiting request's worth, 4 units) capped at 16 (four waiting requests). The cap
@@ -47,7 +48,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from widellm.core.kv_cache_manager import ROOT_BLOCK_HASH, hash_block_tokens
+from widellm.core.block_hash import BlockHash, cache_salt_extra_keys, chain_block_hashes
 
 DEFAULT_WAITING_WEIGHT = 4.0
 DEFAULT_RUNNING_WEIGHT = 1.0
@@ -114,8 +115,8 @@ class DPLoadBalancer:
         self._num_running = [0] * num_ranks
         # Requests this frontend sent to each rank and not yet saw finish.
         self._num_in_flight = [0] * num_ranks
-        # Per rank: block hash -> None, least recently recorded first.
-        self._blocks: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_ranks)]
+        # Per rank: block key -> None, least recently recorded first.
+        self._blocks: list[OrderedDict[BlockHash, None]] = [OrderedDict() for _ in range(num_ranks)]
         self._next_rank = 0  # round-robin cursor for ties
 
     # ---- queries -------------------------------------------------------------------------
@@ -136,16 +137,23 @@ class DPLoadBalancer:
         self._check_rank(rank)
         return len(self._blocks[rank])
 
-    def prefix_match_blocks(self, prompt_token_ids: Sequence[int]) -> list[int]:
+    def prefix_match_blocks(self, prompt_token_ids: Sequence[int],
+                            cache_salt: str | None = None) -> list[int]:
         """Per rank, how many leading full blocks of the prompt its index holds."""
-        return self._match(self._block_hashes(prompt_token_ids))
+        return self._match(self.block_hashes(prompt_token_ids, cache_salt))
+
+    def block_hashes(self, token_ids: Sequence[int],
+                     cache_salt: str | None = None) -> list[BlockHash]:
+        """Keys of the prompt's full blocks, as the engine's prefix cache computes them."""
+        return chain_block_hashes(token_ids, self.block_size,
+                                  first_extra_keys=cache_salt_extra_keys(cache_salt))
 
     # ---- events --------------------------------------------------------------------------
 
-    def choose_rank(self, prompt_token_ids: Sequence[int]) -> int:
+    def choose_rank(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """Pick the rank for a new request, count it in flight there and record its prompt's
         full blocks as (probably) cached there."""
-        hashes = self._block_hashes(prompt_token_ids)
+        hashes = self.block_hashes(prompt_token_ids, cache_salt)
         match = self._match(hashes)
         n = self.num_ranks
 
@@ -158,14 +166,15 @@ class DPLoadBalancer:
         self._assign(rank, hashes)
         return rank
 
-    def assign(self, rank: int, prompt_token_ids: Sequence[int]) -> None:
+    def assign(self, rank: int, prompt_token_ids: Sequence[int],
+               cache_salt: str | None = None) -> None:
         """Count a request sent to ``rank`` by the caller's choice (a pinned
         ``data_parallel_rank``, or the further samples of an ``n > 1`` request, which share
         their prompt's blocks and so must go where the first went)."""
         self._check_rank(rank)
-        self._assign(rank, self._block_hashes(prompt_token_ids))
+        self._assign(rank, self.block_hashes(prompt_token_ids, cache_salt))
 
-    def _assign(self, rank: int, hashes: list[int]) -> None:
+    def _assign(self, rank: int, hashes: list[BlockHash]) -> None:
         self._num_waiting[rank] += 1
         self._num_in_flight[rank] += 1
         self._record(rank, hashes)
@@ -195,17 +204,7 @@ class DPLoadBalancer:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_ranks:
             raise ValueError(f"rank must be an int in [0, {self.num_ranks}), got {rank!r}")
 
-    def _block_hashes(self, token_ids: Sequence[int]) -> list[int]:
-        """Chained hashes of the full blocks, as the engine's prefix cache computes them."""
-        bs = self.block_size
-        hashes: list[int] = []
-        parent = ROOT_BLOCK_HASH
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            parent = hash_block_tokens(parent, token_ids[start:start + bs])
-            hashes.append(parent)
-        return hashes
-
-    def _match(self, hashes: list[int]) -> list[int]:
+    def _match(self, hashes: list[BlockHash]) -> list[int]:
         """Per rank, the length of the leading run of ``hashes`` found in its index."""
         match = [0] * self.num_ranks
         alive = range(self.num_ranks)
@@ -223,7 +222,7 @@ class DPLoadBalancer:
             return 0.0
         return min(self.max_prefix_slack, self.prefix_slack_per_block * num_matched_blocks)
 
-    def _record(self, rank: int, hashes: list[int]) -> None:
+    def _record(self, rank: int, hashes: list[BlockHash]) -> None:
         """Mark the blocks most recently used on ``rank``, the first block last: eviction then
         drops a prefix's deepest blocks first, which keeps its shorter prefixes matchable (the
         engine frees a request's blocks tail first for the same reason)."""
