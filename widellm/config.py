@@ -73,15 +73,21 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV cache. The pool is sized from ``kv_cache_memory`` bytes when given, else from
-    ``kv_cache_memory_fraction`` of the memory available at start-up; ``num_kv_blocks`` overrides
-    both (tests use it to force preemption)."""
+    """Paged KV cache (see engine/kv_budget.py). ``num_kv_blocks`` fixes the block count (tests
+    use it to force preemption); else ``kv_cache_memory`` bytes per rank (vLLM's meaning);
+    else as many blocks as ``max_num_seqs`` full-length requests use, capped by this rank's
+    share of ``kv_cache_memory_fraction`` of the memory available at start-up: on CPU the
+    local ranks split one host budget, on GPU each rank takes the fraction of its device."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float = 0.25
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # Not a flag: the host's available memory in bytes as the launcher of this machine's ranks
+    # measured it once before starting them (None: the rank measures it itself). One reading
+    # for all local ranks, so their shares add up to one budget.
+    host_available_memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -94,6 +100,9 @@ class CacheConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.host_available_memory is not None and self.host_available_memory < 0:
+            raise ValueError(
+                f"host_available_memory must be >= 0, got {self.host_available_memory}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +266,15 @@ class ObservabilityConfig:
     # dummy batches, lockstep waits); see step_timer.py. Off by default: it adds a clock
     # read per phase per layer.
     collect_step_breakdown: bool = False
+    # A request in flight that gets no token for this many seconds is logged as stalled with
+    # the engine core's state and counted in widellm:request_stalls (0: off). A loaded CPU
+    # server's longest honest gap is a long prefill step, tens of seconds at most.
+    request_stall_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.request_stall_timeout_s < 0:
+            raise ValueError(
+                f"request_stall_timeout_s must be >= 0, got {self.request_stall_timeout_s}")
 
 
 @dataclass(frozen=True, slots=True)

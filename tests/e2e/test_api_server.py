@@ -469,11 +469,16 @@ def _raw_post(server, body: dict) -> socket.socket:
     return sock
 
 
-def _assert_aborted(server, before) -> None:
-    """Back to idle (no running request, no KV block in use) with no request finishing."""
+def _assert_aborted(server, before, aborts=(1,)) -> None:
+    """Back to idle (no running request, no KV block in use) with no request finishing, and
+    the abort counted as request_success_total{finished_reason="abort"} (``aborts``: the
+    allowed increments; a request cut before it reached the engine is not counted)."""
     _wait_until(lambda: _idle(server), IDLE_TIMEOUT_S, "running requests and KV usage to drop")
     after = _metrics(server)
-    assert _total_successes(after) == _total_successes(before)
+    aborted = (_metric(after, "widellm:request_success_total", finished_reason="abort")
+               - _metric(before, "widellm:request_success_total", finished_reason="abort"))
+    assert aborted in aborts
+    assert _total_successes(after) - aborted == _total_successes(before)
     generated = (_metric(after, "widellm:generation_tokens_total")
                  - _metric(before, "widellm:generation_tokens_total"))
     assert generated < LONG_MAX_TOKENS
@@ -504,7 +509,7 @@ def test_disconnect_while_generating_aborts_the_request(server, stream):
 def test_disconnect_right_after_sending_leaves_nothing_running(server):
     before = _metrics(server)
     _raw_post(server, _long_request(True)).close()
-    _assert_aborted(server, before)
+    _assert_aborted(server, before, aborts=(0, 1))
 
 
 # ---- API key and engine death (second server) ----------------------------------------------

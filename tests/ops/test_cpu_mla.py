@@ -114,3 +114,29 @@ def test_mla_kernel_rejects_bad_tables(kernels):
     with pytest.raises(ValueError, match="seq_lens"):
         kernels.mla_decode_attention(q_cat, cache, torch.from_numpy(bt),
                                      torch.tensor([0, 1, 1, 1, 1]), LORA, 0.15)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return set()
+    return set(next((ln for ln in lines if ln.startswith("flags")), "").split(":")[-1].split())
+
+
+def test_amx_paths_stay_off_without_amx(kernels):
+    """Where the AMX tests above skip, the AMX paths must not run either: the CPU's own flags
+    (an oracle independent of the kernels' checks) decide whether the MLA kernel is offered,
+    and without AMX the layer keeps the gather form (the tested twin) even in bf16."""
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this platform")
+    if "amx_tile" in flags and "amx_bf16" in flags:
+        pytest.skip("AMX here: the kernel tests above cover the path")
+    assert not kernels.mla_decode_supported(BLOCK, LORA + ROPE, LORA)
+    layer, *_ = _layer_and_inputs()
+    assert not layer.prefers_in_place_decode(BLOCK)
+    if "avx512_bf16" not in flags:
+        # No bf16 experts kernel either, so the DeepSeek fused stack (which needs it) is never
+        # built here (DeepseekFusedDecode.build).
+        assert kernels.fused_experts_backend(256, 512) == "none"

@@ -40,7 +40,9 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata={
         "help": "auto (bfloat16 where the CPU has bf16 matmul units, else float32), bfloat16, "
                 "float32"})
-    seed: int = field(default=0, metadata={"help": "seed for unseeded random sampling"})
+    seed: int = field(default=0, metadata={
+        "help": "seed of unseeded random sampling: each engine core (DP rank) draws from its own "
+                "stream, seeded from (seed, rank), so a restart with the same seed repeats it"})
     max_model_len: int | None = field(default=None, metadata={"help": "context length"})
     max_num_batched_tokens: int = field(default=4096, metadata={"help": "token budget/step"})
     max_num_seqs: int = field(default=256, metadata={"help": "requests per step"})
@@ -49,9 +51,14 @@ class EngineArgs:
                 "sees few GEMM shapes, which a server warms while idle (default: on CPU the "
                 "step budget / 64 in whole 16-row tiles, off on GPU; 0: off)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    kv_cache_memory: str | None = field(default=None, metadata={"help": "KV cache size, e.g. 4GiB"})
+    kv_cache_memory: str | None = field(default=None, metadata={
+        "help": "KV cache size of each DP rank, e.g. 4GiB (per rank: N local ranks take N "
+                "times this; default: what --max-num-seqs requests of --max-model-len tokens "
+                "can use, capped by --kv-cache-memory-fraction)"})
     kv_cache_memory_fraction: float = field(default=0.25, metadata={
-        "help": "fraction of available memory for the KV cache when --kv-cache-memory is unset"})
+        "help": "cap of the default KV cache: this fraction of the memory available at "
+                "start-up, shared by all DP ranks of this machine on CPU (each GPU rank: of "
+                "its device)"})
     num_kv_blocks: int | None = field(default=None, metadata={"help": "exact KV block count"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
     async_scheduling: bool | None = field(default=None, metadata={
@@ -91,6 +98,9 @@ class EngineArgs:
         "help": "apply a new expert placement only if it raises balancedness this much"})
     collect_step_breakdown: bool = field(default=False, metadata={
         "help": "time each step's phases (attention, experts, MoE communication, idle)"})
+    request_stall_timeout_s: float = field(default=60.0, metadata={
+        "help": "warn (with the engine core's state) and count widellm:request_stalls when a "
+                "request in flight gets no token for this many seconds (0: off)"})
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -173,7 +183,8 @@ class EngineArgs:
                 min_balancedness_gain=self.eplb_min_balancedness_gain,
             ),
             observability_config=ObservabilityConfig(
-                collect_step_breakdown=self.collect_step_breakdown),
+                collect_step_breakdown=self.collect_step_breakdown,
+                request_stall_timeout_s=self.request_stall_timeout_s),
         )
 
     def replace(self, **changes) -> "EngineArgs":

@@ -18,6 +18,7 @@ from widellm.engine.core_client import EngineCoreClient, EngineDeadError
 from widellm.engine.metrics import EngineMetrics
 from widellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from widellm.engine.processor import InputProcessor, PromptType
+from widellm.engine.stall_detector import StallDetector
 from widellm.outputs import RequestOutput
 from widellm.sampling_params import SamplingParams
 
@@ -36,6 +37,9 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.model_config.served_name)
         self.client = EngineCoreClient(self.config)
+        self.stall_detector = StallDetector(
+            self.config.observability_config.request_stall_timeout_s, self.metrics,
+            self.client.rank_of)
         self.dead_error: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: asyncio.Task | None = None
@@ -54,26 +58,29 @@ class AsyncLLM:
 
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-        data_parallel_rank: int | None = None,
+        data_parallel_rank: int | None = None, cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield DELTA outputs until the request finishes. Raises ValueError for bad input
         (before anything is queued) and EngineDeadError if a core dies meanwhile. The request
-        goes to ``data_parallel_rank`` if given, else to the rank the balancer picks."""
+        goes to ``data_parallel_rank`` if given, else to the rank the balancer picks.
+        ``cache_salt`` (or the prompt dict's) keeps its prefix-cache blocks to its salt."""
         await self.check_health()
         self._ensure_output_task()
         text, token_ids = self.processor.tokenize(prompt)
         self.processor.validate_prompt(token_ids)
+        cache_salt = self.processor.cache_salt(prompt, cache_salt)
         self.client.check_rank(data_parallel_rank)
         queue: asyncio.Queue = asyncio.Queue()
         core_ids = self.output_processor.add_request(
             request_id, text, token_ids, sampling_params, RequestOutputKind.DELTA
         )
         self._queues[request_id] = queue
+        self.stall_detector.add(request_id, core_ids)
         finished = False
         try:
             await self.client.add_requests_async(
                 self.processor.make_core_requests(request_id, token_ids, sampling_params,
-                                                  core_ids),
+                                                  core_ids, cache_salt),
                 data_parallel_rank,
             )
             while True:
@@ -86,6 +93,7 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self.stall_detector.remove(request_id)
             if not finished:  # consumer went away or the engine died: free its blocks
                 await self.abort(request_id)
 
@@ -93,6 +101,7 @@ class AsyncLLM:
         core_ids = self.output_processor.abort_requests([request_id])
         self._queues.pop(request_id, None)
         if core_ids and not self.errored:
+            self.metrics.record_aborted()
             await self.client.abort_requests_async(core_ids)
 
     def _ensure_output_task(self) -> None:
@@ -103,6 +112,8 @@ class AsyncLLM:
         try:
             while True:
                 batch = await self.client.get_output_async(HEALTH_POLL_S)
+                # Every wake-up, output or not: a core stuck in a step sends nothing.
+                self.stall_detector.check()
                 if batch is None:
                     if not self.client.is_alive():
                         raise EngineDeadError(self.client.dead_reason())
@@ -110,6 +121,10 @@ class AsyncLLM:
                 if batch.engine_error is not None:
                     raise EngineDeadError(
                         f"engine core {batch.dp_rank} failed: {batch.engine_error}")
+                self.stall_detector.core_reported(batch.dp_rank, batch.scheduler_stats)
+                for core_out in batch.outputs:
+                    if core_out.new_token_ids:
+                        self.stall_detector.tokens_arrived(core_out.request_id)
                 if batch.scheduler_stats is not None:
                     self.metrics.record_scheduler_stats(batch.scheduler_stats, batch.dp_rank)
                 if batch.eplb_stats is not None:

@@ -20,7 +20,9 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Sequence
 
 import msgspec
@@ -37,6 +39,7 @@ from widellm.engine.core_proc import (
     run_engine_core,
 )
 from widellm.engine.engine_core import EngineCoreRequest
+from widellm.engine.kv_budget import share_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +55,35 @@ class EngineDeadError(RuntimeError):
 
 def spawn_engine_cores(config: EngineConfig, handshake_addr: str) -> list[multiprocessing.Process]:
     """Start this machine's ranks (``data_parallel_start_rank`` onwards) as processes."""
+    # One reading of the host's memory for all of them: they split one KV budget.
+    config = share_host_memory(config)
     pc = config.parallel_config
     # spawn, not fork: the parent may hold threads and torch state that do not fork well.
     mp = multiprocessing.get_context("spawn")
     procs = []
+    # PR_SET_PDEATHSIG follows the forking thread: only safe when that is the main thread.
+    use_pdeathsig = threading.current_thread() is threading.main_thread()
     for rank in range(pc.data_parallel_start_rank, pc.data_parallel_start_rank + pc.local_size):
-        proc = mp.Process(target=run_engine_core, args=(config, handshake_addr, rank),
+        proc = mp.Process(target=run_engine_core,
+                          args=(config, handshake_addr, rank, os.getpid(), use_pdeathsig),
                           name=f"widellm-engine-core-{rank}", daemon=True)
         proc.start()
         procs.append(proc)
     return procs
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """An exit status in words: a signal by its name (multiprocessing gives -signum)."""
+    if exitcode is None:
+        return "still running"
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    # The kernel's OOM killer is the usual sender of an unexplained SIGKILL.
+    return f"killed by {name}" + (" (out of memory?)" if -exitcode == signal.SIGKILL else "")
 
 
 def stop_processes(procs: Sequence[multiprocessing.Process], grace_s: float) -> None:
@@ -152,7 +174,7 @@ class EngineCoreClient:
             dead = [p for p in self.procs if not p.is_alive()]
             if dead:
                 raise RuntimeError(f"engine core exited during start-up "
-                                   f"({dead[0].name}, exit code {dead[0].exitcode})")
+                                   f"({dead[0].name}, {describe_exit(dead[0].exitcode)})")
             waited += 0 if events else _POLL_S
         return min(ready.values())
 
@@ -165,9 +187,13 @@ class EngineCoreClient:
         dead = [p for p in self.procs if not p.is_alive()]
         if not dead:
             return "engine core is not running"
-        return f"engine core process exited ({dead[0].name}, exit code {dead[0].exitcode})"
+        return f"engine core process exited ({dead[0].name}, {describe_exit(dead[0].exitcode)})"
 
     # ---- routing -------------------------------------------------------------------------
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank serving core request ``request_id`` (None when not routed or finished)."""
+        return self._req_rank.get(request_id)
 
     def check_rank(self, data_parallel_rank: int | None) -> None:
         """ValueError unless ``data_parallel_rank`` is None or an existing rank."""
@@ -183,14 +209,14 @@ class EngineCoreClient:
         """Frames sending the samples of one request to one rank (the balancer's choice
         unless pinned), each counted in flight there."""
         self.check_rank(data_parallel_rank)
-        prompt = requests[0].prompt_token_ids
+        prompt, salt = requests[0].prompt_token_ids, requests[0].cache_salt
         rank = data_parallel_rank
         frames = []
         for request in requests:
             if rank is None:
-                rank = self.balancer.choose_rank(prompt)
+                rank = self.balancer.choose_rank(prompt, salt)
             else:
-                self.balancer.assign(rank, prompt)
+                self.balancer.assign(rank, prompt, salt)
             self._req_rank[request.request_id] = rank
             frames.append(self._frames(RequestKind.ADD, rank, self._encoder.encode(request)))
         return frames

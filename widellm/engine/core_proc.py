@@ -22,11 +22,13 @@ run a dummy batch while any rank has work.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import enum
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 
@@ -53,6 +55,32 @@ IDLE_POLL_MS = 1000
 # other ranks to join its first step.
 LOCKSTEP_IDLE_POLL_MS = 10
 HELLO = b"HELLO"
+# prctl(2) option: the signal this process gets when its parent thread exits.
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
+    """Have the kernel SIGKILL this process when its parent goes away (Linux), and exit now if
+    it is already gone. SIGKILL, not a catchable signal: a core stuck in a kernel or a
+    collective must not outlive the server, and nothing of its state is worth saving.
+
+    PR_SET_PDEATHSIG fires when the parent *thread* that forked us exits, not the parent
+    process; the spawner passes ``use_pdeathsig`` only when it forks from its main thread
+    (else an engine built in a short-lived thread would lose its cores with the thread). The
+    pid comparison in the core loop covers the rest (and non-Linux systems)."""
+    if use_pdeathsig and sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d)", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # died before the prctl took effect
+        os._exit(0)
+
+
+def parent_alive(parent_pid: int) -> bool:
+    """Whether the process that started this one is still our parent. Comparing with its
+    recorded pid (not with 1) is right when the server itself is PID 1 (a container) and when
+    a subreaper, not init, adopts an orphan."""
+    return os.getppid() == parent_pid
 
 
 class RequestKind(enum.IntEnum):
@@ -90,10 +118,14 @@ def rank_identity(rank: int) -> bytes:
     return b"rank-%d" % rank
 
 
-def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int) -> None:
-    """Process entry point (spawned by the frontend client or a headless launcher)."""
+def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int,
+                    parent_pid: int | None = None, use_pdeathsig: bool = False) -> None:
+    """Process entry point (spawned by the frontend client or a headless launcher, which pass
+    their pid as ``parent_pid``)."""
     # The frontend owns Ctrl-C; the core stops when told to or when its parent goes away.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
+    die_with_parent(parent_pid, use_pdeathsig)
     logging.basicConfig(level=os.environ.get("WIDELLM_LOGGING_LEVEL", "INFO"),
                         format=f"%(levelname)s %(asctime)s core{dp_rank}: %(message)s",
                         datefmt="%H:%M:%S")
@@ -123,7 +155,7 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int) -> 
         freeze_startup_heap(f"engine core {dp_rank}")
         out.send(encoder.encode(ReadyMessage(
             dp_rank, core.scheduler.kv_cache_manager.block_pool.num_blocks, os.getpid())))
-        _CoreLoop(core, inp, out, encoder, dp_rank, groups).run()
+        _CoreLoop(core, inp, out, encoder, dp_rank, groups, parent_pid).run()
     except Exception as e:  # report, then die: the frontend fails in-flight requests
         logger.error("engine core failed:\n%s", traceback.format_exc())
         out.send(encoder.encode(EngineCoreOutputs(engine_error=f"{type(e).__name__}: {e}",
@@ -140,9 +172,10 @@ class _CoreLoop:
     """Receive requests, step, send outputs, until told to stop."""
 
     def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket,
-                 encoder: msgspec.msgpack.Encoder, dp_rank: int, groups: DPGroups | None) -> None:
+                 encoder: msgspec.msgpack.Encoder, dp_rank: int, groups: DPGroups | None,
+                 parent_pid: int) -> None:
         self.core, self.inp, self.out, self.encoder = core, inp, out, encoder
-        self.dp_rank = dp_rank
+        self.dp_rank, self.parent_pid = dp_rank, parent_pid
         self.lockstep = DPLockstep(groups.cpu_group) if core.lockstep else None
         self.decode_add = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.decode_ids = msgspec.msgpack.Decoder(list[str])
@@ -203,7 +236,8 @@ class _CoreLoop:
                 self.core.abort_requests(self.decode_ids.decode(payload))
                 self.stats_dirty = True
             timeout_ms = 0
-        if os.getppid() == 1:  # orphaned: the frontend (or launcher) died without a goodbye
+        if not parent_alive(self.parent_pid):  # the frontend (or launcher) died, no goodbye
+            logger.warning("parent process %d is gone; stopping", self.parent_pid)
             self.shutdown_requested = True
 
     def _step(self) -> None:
@@ -221,7 +255,7 @@ class _CoreLoop:
         timer = self.core.step_timer
         eplb = self.core.model_runner.eplb
         self.out.send(self.encoder.encode(EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=self.core.scheduler.make_stats(),
+            outputs=outputs, scheduler_stats=self.core.make_stats(),
             timestamp=time.time(), dp_rank=self.dp_rank,
             step_breakdown=dict(timer.totals) if timer is not None else None,
             peak_rss_bytes=peak_rss_bytes(),

@@ -6,7 +6,9 @@ token ids: ``EngineCoreRequest`` in, ``EngineCoreOutput`` out.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -15,13 +17,13 @@ import msgspec
 from widellm.config import EngineConfig
 from widellm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from widellm.core.request import Request
-from widellm.core.scheduler import Scheduler
+from widellm.core.scheduler import Scheduler, SchedulerStats
 from widellm.core.scheduler_output import SchedulerOutput
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.distributed.groups import DPGroups
+from widellm.engine.kv_budget import plan_num_blocks
 from widellm.sampling_params import SamplingParams
 from widellm.step_timer import StepTimer, maybe_phase
-from widellm.worker.kv_cache import available_memory_bytes
 from widellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     eos_token_ids: list[int]
     max_tokens: int
     arrival_time: float
+    # vLLM's cache_salt: requests with different salts never share a prefix-cache block.
+    cache_salt: str | None = None
 
 
 class EngineCore:
@@ -73,6 +77,9 @@ class EngineCore:
         self.model_runner.warmup([sc.max_num_batched_tokens, sc.max_num_seqs])
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.async_scheduling = config.scheduler_config.async_scheduling
+        # Steps taken and the wall time of the latest, reported with the scheduler stats.
+        self.num_steps = 0
+        self.last_step_duration_s = 0.0
         # Async scheduling: steps submitted to the runner thread, oldest first.
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self._runner_thread = (
@@ -83,7 +90,7 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
-            frozenset(req.eos_token_ids), req.max_tokens, req.arrival_time,
+            frozenset(req.eos_token_ids), req.max_tokens, req.arrival_time, req.cache_salt,
         ))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -93,6 +100,19 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
+        start = time.monotonic()
+        try:
+            return self._step()
+        finally:
+            self.num_steps += 1
+            self.last_step_duration_s = time.monotonic() - start
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's numbers plus the step counters the frontend's stall check logs."""
+        return dataclasses.replace(self.scheduler.make_stats(), num_steps=self.num_steps,
+                                   last_step_duration_s=self.last_step_duration_s)
+
+    def _step(self) -> list[EngineCoreOutput]:
         if self.async_scheduling:
             return self.step_with_batch_queue()
         with maybe_phase(self.step_timer, "schedule"):
@@ -132,28 +152,27 @@ class EngineCore:
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache_config
         spec = self.model_runner.kv_spec
-        if cc.num_kv_blocks is not None:
-            num_blocks = cc.num_kv_blocks
-        else:
-            budget = cc.kv_cache_memory or int(
-                available_memory_bytes() * cc.kv_cache_memory_fraction
-            )
-            num_blocks = spec.num_blocks_for(budget)
+        plan = plan_num_blocks(self.config, spec.bytes_per_block)
+        num_blocks = plan.num_blocks
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory too small: one block needs {spec.bytes_per_block} bytes"
+                f"KV cache too small ({plan.reason}): one block needs {spec.bytes_per_block} "
+                "bytes; raise kv_cache_memory / kv_cache_memory_fraction"
             )
         max_len = self.config.scheduler_config.max_model_len
         if num_blocks * cc.block_size < max_len:
             # A request that can never fit would preempt itself forever.
             raise ValueError(
                 f"max_model_len={max_len} is more than the KV cache holds "
-                f"({num_blocks} blocks x {cc.block_size} = {num_blocks * cc.block_size} tokens); "
-                "raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+                f"({num_blocks} blocks x {cc.block_size} = {num_blocks * cc.block_size} tokens, "
+                f"{plan.reason}); raise kv_cache_memory / kv_cache_memory_fraction / "
+                "num_kv_blocks or lower max_model_len"
             )
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d bytes per block)",
+            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB = %d bytes (%d bytes per "
+            "block; sized by %s)",
             num_blocks, cc.block_size, num_blocks * cc.block_size,
-            num_blocks * spec.bytes_per_block / GIB, spec.bytes_per_block,
+            num_blocks * spec.bytes_per_block / GIB, num_blocks * spec.bytes_per_block,
+            spec.bytes_per_block, plan.reason,
         )
         return num_blocks

@@ -13,7 +13,9 @@ import signal
 import time
 
 from widellm.engine.arg_utils import EngineArgs
-from widellm.engine.core_client import SHUTDOWN_GRACE_S, spawn_engine_cores, stop_processes
+from widellm.engine.core_client import (
+    SHUTDOWN_GRACE_S, describe_exit, spawn_engine_cores, stop_processes,
+)
 
 logger = logging.getLogger(__name__)
 _POLL_S = 0.5
@@ -48,4 +50,4 @@ def run_headless(engine_args: EngineArgs) -> None:
         stop_processes(procs, SHUTDOWN_GRACE_S)
     failed = [p for p in procs if p.exitcode not in (0, None)]
     if failed:
-        raise SystemExit(f"headless: {failed[0].name} exited with code {failed[0].exitcode}")
+        raise SystemExit(f"headless: {failed[0].name} exited ({describe_exit(failed[0].exitcode)})")

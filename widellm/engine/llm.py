@@ -39,8 +39,10 @@ class LLM:
         data_parallel_rank: int | Sequence[int | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. A single string, token-id list or dict counts
-        as one prompt. ``data_parallel_rank`` pins all prompts (an int) or each (a list) to
-        a rank; by default the load balancer picks."""
+        as one prompt; a dict prompt may carry a ``cache_salt`` (``{"prompt": "Hi",
+        "cache_salt": "tenant-a"}``): prompts with different salts never share cached KV.
+        ``data_parallel_rank`` pins all prompts (an int) or each (a list) to a rank; by
+        default the load balancer picks."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -80,15 +82,17 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        """One conversation (a list of {"role", "content"} dicts) or a list of them;
+        ``cache_salt`` salts every conversation's prefix-cache keys (see ``generate``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = [
             {"prompt_token_ids": tokenizer.apply_chat_template(
                 conv, tokenize=True, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template, return_dict=False,
-            )}
+            ), **({} if cache_salt is None else {"cache_salt": cache_salt})}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

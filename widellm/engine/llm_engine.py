@@ -59,17 +59,18 @@ class LLMEngine:
         for prompt, p, rank in zip(prompts, params, ranks, strict=True):
             text, token_ids = self.processor.tokenize(prompt)
             self.processor.validate_prompt(token_ids)
+            salt = self.processor.cache_salt(prompt)
             if rank is not None:
                 if self.client is None and rank != 0:
                     raise ValueError(f"data_parallel_rank {rank}: there is only rank 0")
                 if self.client is not None:
                     self.client.check_rank(rank)
-            prepared.append((text, token_ids, p, rank))
+            prepared.append((text, token_ids, p, rank, salt))
         request_ids = []
-        for text, token_ids, p, rank in prepared:
+        for text, token_ids, p, rank, salt in prepared:
             rid = self.next_request_id()
             core_ids = self.output_processor.add_request(rid, text, token_ids, p, kind)
-            core_reqs = self.processor.make_core_requests(rid, token_ids, p, core_ids)
+            core_reqs = self.processor.make_core_requests(rid, token_ids, p, core_ids, salt)
             if self.client is not None:
                 self.client.add_requests(core_reqs, rank)
             else:

@@ -66,6 +66,10 @@ class EngineMetrics:
         self.request_success = Counter(
             "widellm:request_success", "Finished requests by reason", labels + ["finished_reason"],
             registry=r)
+        self.request_stalls = Counter(
+            "widellm:request_stalls", "Requests that went --request-stall-timeout-s without a "
+            "token (rank: the engine core serving them, 'none' if not routed)", rank_labels,
+            registry=r)
         self.time_to_first_token = Histogram(
             "widellm:time_to_first_token_seconds", "Arrival to first token", labels,
             buckets=TTFT_BUCKETS, registry=r)
@@ -126,6 +130,13 @@ class EngineMetrics:
         self._tokens_since_log[0] += num_prompt_tokens
         self.e2e_request_latency.labels(**self._labels).observe(e2e_s)
         self.request_success.labels(**self._labels, finished_reason=reason or "abort").inc()
+
+    def record_aborted(self) -> None:
+        """A request ended by its client (disconnect, cancel) before it finished."""
+        self.request_success.labels(**self._labels, finished_reason="abort").inc()
+
+    def record_stall(self, rank: int | None) -> None:
+        self.request_stalls.labels(**self._labels, rank="none" if rank is None else str(rank)).inc()
 
     def maybe_log(self) -> None:
         now = time.monotonic()

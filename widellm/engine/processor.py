@@ -18,7 +18,8 @@ from widellm.engine.tokenizer import get_tokenizer
 from widellm.model.loader import load_eos_token_ids
 from widellm.sampling_params import SamplingParams
 
-# A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} as in vLLM.
+# A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} as in vLLM, the
+# dict optionally with "cache_salt".
 PromptType = str | Sequence[int] | dict[str, Any]
 
 
@@ -54,6 +55,19 @@ class InputProcessor:
             return prompt, list(self.tokenizer(prompt).input_ids)
         return None, [int(t) for t in prompt]
 
+    @staticmethod
+    def cache_salt(prompt: PromptType, cache_salt: str | None = None) -> str | None:
+        """The request's ``cache_salt``: the argument or the prompt dict's (not two different
+        ones). Requests with different salts never share a prefix-cache block; without one a
+        request shares with every other unsalted request."""
+        from_prompt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and from_prompt is not None and cache_salt != from_prompt:
+            raise ValueError("cache_salt: given in the prompt and as an argument, differently")
+        salt = from_prompt if cache_salt is None else cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt: must be a non-empty string if given, got {salt!r}")
+        return salt
+
     def validate_prompt(self, token_ids: list[int]) -> None:
         max_len = self.model_config.max_model_len
         if not token_ids:
@@ -70,7 +84,7 @@ class InputProcessor:
 
     def make_core_requests(
         self, request_id: str, token_ids: list[int], params: SamplingParams,
-        core_ids: list[str],
+        core_ids: list[str], cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine-core request per sample (``core_ids`` from the output processor)."""
         room = self.model_config.max_model_len - len(token_ids)
@@ -89,5 +103,6 @@ class InputProcessor:
                 eos_token_ids=self.eos_token_ids,
                 max_tokens=max_tokens,
                 arrival_time=now,
+                cache_salt=cache_salt,
             ))
         return requests

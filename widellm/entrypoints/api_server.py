@@ -167,7 +167,8 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
 def log_usage(url: str, model: str, api_key: str | None) -> None:
     """One line saying where the server is and a curl command that calls it."""
     body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 16})
-    auth = " -H 'Authorization: Bearer $WIDELLM_API_KEY'" if api_key else ""
+    # Double quotes so the shell expands the variable; single quotes sent it literally (401).
+    auth = ' -H "Authorization: Bearer $WIDELLM_API_KEY"' if api_key else ""
     logger.info("widellm %s serving %s at %s (OpenAI API under /v1). Try:\n"
                 "  curl %s/v1/completions -H 'Content-Type: application/json'%s -d '%s'",
                 widellm.__version__, model, url, url, auth, body)

@@ -12,7 +12,8 @@ import time
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_serializer, model_validator,
+    BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_serializer,
+    model_validator,
 )
 
 from widellm.sampling_params import SamplingParams
@@ -85,6 +86,16 @@ class SamplingRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
+    # vLLM's field: requests with different salts never share prefix-cache blocks (tenant
+    # isolation); the same salt shares; none shares with every other unsalted request.
+    cache_salt: StrictStr | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _non_empty_salt(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:
+            raise ValueError("must be a non-empty string if given")
+        return salt
 
     @property
     def include_usage(self) -> bool:

@@ -85,7 +85,7 @@ class _ChatRun:
     async def _samples(self) -> AsyncIterator[CompletionOutput]:
         """New output of each choice, once per choice after it finished."""
         gen = self.serving.engine.generate({"prompt_token_ids": self.prompt_ids}, self.params,
-                                           self.request_id)
+                                           self.request_id, cache_salt=self.request.cache_salt)
         async with aclosing(gen):
             async for output in gen:
                 for sample in output.outputs:

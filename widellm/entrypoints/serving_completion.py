@@ -107,7 +107,7 @@ class _CompletionRun:
         engine = self.serving.engine
         generators = [
             engine.generate({"prompt": text, "prompt_token_ids": ids}, self.params,
-                            f"{self.request_id}-{i}")
+                            f"{self.request_id}-{i}", cache_salt=self.request.cache_salt)
             for i, (text, ids) in enumerate(self.prompts)
         ]
         async with aclosing(merge_async_iterators(generators)) as merged:

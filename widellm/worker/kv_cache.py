@@ -7,6 +7,7 @@ pool holds ``block_size`` tokens in every layer at once, so its size is the sum 
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -51,11 +52,28 @@ def available_memory_bytes() -> int:
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
-    """Zero-filled tensors bound to their layers as ``layer.kv_cache``. torch.zeros maps fresh
-    pages lazily on CPU, so untouched blocks cost no resident memory."""
+    """Zero-filled tensors bound to their layers as ``layer.kv_cache``.
+
+    On CPU each comes from an anonymous mmap: the kernel hands out zero pages on first write,
+    so a block costs resident memory only once a request writes into it and an idle server
+    holds none of its pool. (``torch.zeros`` would not do: it writes every page to zero them,
+    which makes the whole pool resident at start-up.)"""
     caches = []
     for layer in spec.layers:
-        cache = torch.zeros(layer.kv_cache_shape(num_blocks, spec.block_size), dtype=spec.dtype)
+        shape = layer.kv_cache_shape(num_blocks, spec.block_size)
+        if on_cuda():  # device memory: as before this change, not lazily mapped
+            cache = torch.zeros(shape, dtype=spec.dtype)
+        else:
+            cache = lazy_zeros(shape, spec.dtype)
         layer.kv_cache = cache
         caches.append(cache)
     return caches
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose pages are mapped on first touch. The tensor keeps the
+    mapping alive (torch.frombuffer holds a reference to it); it is unmapped with the tensor."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * elem
+    buf = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)

@@ -6,7 +6,10 @@ the batch and reports what it sampled.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import time
 
 import numpy as np
 import torch
@@ -34,6 +37,21 @@ from widellm.worker.sampling_metadata import SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
+# Test hook: seconds every model step sleeps before its forward (unset: none).
+TEST_STEP_SLEEP_ENV = "WIDELLM_TEST_STEP_SLEEP_S"
+# Domain tag of the per-rank seed derivation, so its digests collide with no other use.
+_CORE_SEED_TAG = b"widellm-engine-core-seed"
+# torch.Generator.manual_seed takes a 64-bit value; keep it non-negative.
+_SEED_MASK = (1 << 63) - 1
+
+
+def engine_core_seed(seed: int, dp_rank: int) -> int:
+    """The seed of rank ``dp_rank``'s sampling stream under ``--seed seed``: the first 8 bytes
+    of sha256(tag, seed, rank), as a non-negative int. A hash, not ``seed + rank``, so
+    (seed 0, rank 1) and (seed 1, rank 0) do not share a stream."""
+    digest = hashlib.sha256(b"%s:%d:%d" % (_CORE_SEED_TAG, seed, dp_rank)).digest()
+    return int.from_bytes(digest[:8], "little") & _SEED_MASK
+
 
 class ModelRunner:
     def __init__(
@@ -46,7 +64,15 @@ class ModelRunner:
         self.vocab_size = mc.hf_config.vocab_size
         self.model = build_model(mc.hf_config, mc.model, mc.dtype, ep)
         self.kv_spec = KVCacheSpec.from_model(self.model, self.block_size, mc.dtype)
-        self.sampler = Sampler()
+        rank = config.parallel_config.data_parallel_rank or 0
+        # Unseeded random rows draw from this rank's own stream: reproducible for a given
+        # --seed, distinct across ranks (see engine_core_seed).
+        self.generator = torch.Generator(device="cuda" if on_cuda() else "cpu").manual_seed(
+            engine_core_seed(mc.seed, rank))
+        self.sampler = Sampler(self.generator)
+        # Test-only fault injection (WIDELLM_TEST_STEP_SLEEP_S, read once): every step that
+        # runs the model first sleeps this long, so tests can hold a step (stall detection).
+        self.test_step_sleep_s = float(os.environ.get(TEST_STEP_SLEEP_ENV, "0") or 0)
         self.states: dict[str, CachedRequestState] = {}
         # Seeded generators outlive preemption so a recomputed request keeps its stream.
         self.generators: dict[str, torch.Generator] = {}
@@ -85,6 +111,8 @@ class ModelRunner:
         self._update_states(so)
         if so.is_empty:
             return ModelRunnerOutput([], {}, [])
+        if self.test_step_sleep_s:
+            time.sleep(self.test_step_sleep_s)
         batch = build_batch_inputs(self.states, so.num_scheduled_tokens)
         md = build_attention_metadata(
             batch.query_lens, batch.context_lens, batch.positions, batch.block_table,

@@ -73,6 +73,13 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
+    """``generator`` draws the noise of unseeded random rows (the engine core's own stream,
+    seeded from ``--seed`` and its rank); None uses torch's default generator."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.generator = generator
+
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V], any float dtype; may be modified in place (the caller's buffer is
         consumed, which saves a [B, V] copy per step)."""
@@ -115,7 +122,7 @@ class Sampler(nn.Module):
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
-        random_ids = random_sample(logits.softmax(dim=-1), md.generators)
+        random_ids = random_sample(logits.softmax(dim=-1), md.generators, self.generator)
 
         if greedy_ids is None:
             return random_ids
@@ -275,16 +282,18 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                  default_generator: torch.Generator | None = None) -> torch.Tensor:
     """Sample one token per row of probs [B, V] (consumed) -> [B] int64.
 
     argmax(probs / q) with q ~ Exponential(1) picks token i with probability probs[i]. A
     seeded row draws its whole q row from its own generator, so its tokens do not depend on
-    the rest of the batch; the other rows share one draw from the default generator.
+    the rest of the batch; the other rows share one draw from ``default_generator`` (torch's
+    default one when None).
     """
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        fill_exponential_(q)
+        fill_exponential_(q, default_generator)
     for row, generator in generators.items():
         fill_exponential_(q[row], generator)
     return row_argmax(probs.div_(q))
