@@ -385,6 +385,47 @@ def test_metrics_rise_by_the_request(server, client, tokenizer):
             - _metric(before, success, finished_reason="length")) == 1
 
 
+BLOCK_SIZE = 16  # the engine's default block_size
+HITS = "widellm:prefix_cache_hits_total"
+
+
+def _hits_of(server, send) -> float:
+    before = _metric(_metrics(server), HITS)
+    send()
+    return _metric(_metrics(server), HITS) - before
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_cache_salt_separates_prefix_cache_hits(server, client, api):
+    """Same salt: the second request reuses every full block but the one holding the last
+    prompt token; another salt, or none, shares no block with it."""
+    if api == "completions":
+        prompt = [11] * (3 * BLOCK_SIZE + 1)  # sent by no other test: 3 full blocks and 1
+
+        def send(salt: str | None) -> int:
+            extra = {**IGNORE_EOS, **({} if salt is None else {"cache_salt": salt})}
+            return client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=1,
+                                             extra_body=extra, **GREEDY).usage.prompt_tokens
+    else:
+        messages = [{"role": "user", "content": "Salted: " + "tenant words " * 40}]
+
+        def send(salt: str | None) -> int:
+            extra = {**IGNORE_EOS, **({} if salt is None else {"cache_salt": salt})}
+            return client.chat.completions.create(
+                model=SERVED_NAME, messages=messages, max_tokens=1, extra_body=extra,
+                **GREEDY).usage.prompt_tokens
+
+    num_prompt = []
+    assert _hits_of(server, lambda: num_prompt.append(send("tenant-a"))) == 0
+    full_hit = (num_prompt[0] - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert full_hit >= 3 * BLOCK_SIZE
+    assert _hits_of(server, lambda: send("tenant-a")) == full_hit
+    assert _hits_of(server, lambda: send("tenant-b")) == 0
+    assert _hits_of(server, lambda: send(None)) == 0
+    assert _hits_of(server, lambda: send(None)) == full_hit
+    assert _hits_of(server, lambda: send("tenant-b")) == full_hit
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 COMPLETIONS = "/v1/completions"
@@ -406,6 +447,8 @@ BAD_REQUESTS = {
     "n 0": (COMPLETIONS, {"prompt": "hi", "n": 0}, 400, "n"),
     "logprobs over limit": (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     "empty stop string": (COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    "empty cache_salt": (COMPLETIONS, {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    "chat empty cache_salt": (CHAT, {**CHAT_OK, "cache_salt": ""}, 400, "cache_salt"),
     "no messages": (CHAT, {"messages": []}, 400, "messages"),
     "chat max_completion_tokens 0": (CHAT, {**CHAT_OK, "max_completion_tokens": 0}, 400,
                                      "max_completion_tokens"),
@@ -532,6 +575,34 @@ def test_api_key_is_required_when_set(keyed_server):
     out = keyed.completions.create(model=model, prompt=PROMPT, max_tokens=3,
                                    extra_body=IGNORE_EOS)
     assert out.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])
+def test_docs_follow_the_api_key(server, keyed_server, path):
+    assert httpx.get(server.url + path).status_code == 200  # no key set: open
+    response = httpx.get(keyed_server.url + path)
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "AuthenticationError"
+    keyed = httpx.get(keyed_server.url + path, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert keyed.status_code == 200
+    if path == "/openapi.json":
+        assert "/v1/completions" in keyed.json()["paths"]
+    else:
+        assert "/openapi.json" in keyed.text  # the page loads the guarded schema
+
+
+def test_logged_curl_command_works_with_the_exported_key(keyed_server):
+    """The start-up log's curl hint, run by a shell with WIDELLM_API_KEY exported, gets an
+    answer (the key used to sit in single quotes, so the shell sent it unexpanded: 401)."""
+    lines = [line.strip() for line in keyed_server.log().splitlines()
+             if line.strip().startswith("curl ")]
+    assert len(lines) == 1, keyed_server.log()
+    assert "$WIDELLM_API_KEY" in lines[0]
+    done = subprocess.run(["bash", "-c", lines[0] + " -sS --fail-with-body"],
+                          env={**os.environ, "WIDELLM_API_KEY": API_KEY},
+                          capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert json.loads(done.stdout)["usage"]["completion_tokens"] >= 1
 
 
 def test_engine_core_death_fails_requests_and_health(keyed_server):

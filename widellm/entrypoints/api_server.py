@@ -22,6 +22,7 @@ from http import HTTPStatus
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -108,6 +109,22 @@ def api_key_dependency(api_key: str):
     return check_api_key
 
 
+def add_guarded_docs(router: APIRouter, app: FastAPI) -> None:
+    """``/openapi.json``, ``/docs`` and ``/redoc`` on ``router`` (FastAPI's own pages)."""
+
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @router.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    @router.get("/redoc", include_in_schema=False)
+    async def redoc() -> Response:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
+
 def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     """The app for ``engine``; ``args`` gives ``api_key`` and ``max_n``."""
     served = [engine.model_config.served_name]
@@ -115,11 +132,17 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     chat = OpenAIServingChat(engine, served, args.max_n)
     tokenization = OpenAIServingTokenization(engine, served, args.max_n)
 
-    app = FastAPI(title="widellm", version=widellm.__version__)
+    # With an API key the schema and its UIs are served by the guarded router below, so they
+    # describe the API only to those who may call it.
+    docs_urls = {} if not args.api_key else dict(docs_url=None, redoc_url=None,
+                                                  openapi_url=None)
+    app = FastAPI(title="widellm", version=widellm.__version__, **docs_urls)
     add_exception_handlers(app)
     guarded = [Depends(api_key_dependency(args.api_key))] if args.api_key else []
     api = APIRouter(dependencies=guarded)
     public = APIRouter()
+    if args.api_key:
+        add_guarded_docs(api, app)
 
     @public.get("/health")
     async def health() -> Response:
