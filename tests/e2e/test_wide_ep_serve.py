@@ -107,9 +107,12 @@ def test_disconnect_frees_the_rank_that_held_the_request(dp2_server):
         time.sleep(0.1)
     assert set(usage.values()) == {0.0} and set(running.values()) == {0.0}, (usage, running)
     after = _metrics(dp2_server)
-    # Neither request ran to its end: both were cut short by the abort.
+    # Neither request ran to its end: both were cut short by the abort, and counted so.
     successes = "widellm:request_success_total"
-    assert _metric(after, successes) == _metric(before, successes)
+    delta = {reason: _metric(after, successes, finished_reason=reason)
+             - _metric(before, successes, finished_reason=reason)
+             for reason in ("stop", "length", "abort")}
+    assert delta == {"stop": 0, "length": 0, "abort": 2}
     generated = "widellm:generation_tokens_total"
     assert _metric(after, generated) - _metric(before, generated) < 2 * body["max_tokens"]
 
