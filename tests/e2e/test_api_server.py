@@ -448,6 +448,19 @@ BAD_REQUESTS = {
     "logprobs over limit": (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     "empty stop string": (COMPLETIONS, {"prompt": "hi", "stop": [""]}, 400, "stop"),
     "empty cache_salt": (COMPLETIONS, {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    "NaN temperature": (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', 400,
+                        "temperature"),
+    "Infinity penalty": (COMPLETIONS, b'{"prompt": "hi", "presence_penalty": -Infinity}', 400,
+                         "presence_penalty"),
+    "chat NaN top_p": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+                             b'"top_p": NaN}', 400, "top_p"),
+    "seed over 64 bits": (COMPLETIONS, {"prompt": "hi", "seed": 2 ** 64}, 400, "seed"),
+    "top_k over 64 bits": (COMPLETIONS, {"prompt": "hi", "top_k": 2 ** 70}, 400, "top_k"),
+    "stop_token_ids over 64 bits": (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [2 ** 64]},
+                                    400, "stop_token_ids"),
+    "lone surrogate prompt": (COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    "lone surrogate chat": (CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                            400, "messages"),
     "chat empty cache_salt": (CHAT, {**CHAT_OK, "cache_salt": ""}, 400, "cache_salt"),
     "no messages": (CHAT, {"messages": []}, 400, "messages"),
     "chat max_completion_tokens 0": (CHAT, {**CHAT_OK, "max_completion_tokens": 0}, 400,
@@ -476,7 +489,10 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(server, case):
                       "chat too long": f"max_model_len={MAX_MODEL_LEN}",
                       "malformed json": "malformed JSON", "not an object": "JSON object",
                       "n over --max-n": f"n must be <= {MAX_N}",
-                      "temperature < 0": "temperature must be >= 0, got -1"}
+                      "temperature < 0": "temperature must be >= 0, got -1",
+                      "NaN temperature": "temperature must be a finite number, got nan",
+                      "seed over 64 bits": "seed must fit in a signed 64-bit integer",
+                      "lone surrogate chat": "messages.0.content is not valid Unicode"}
     assert expected_words.get(case, "") in error["message"]
     good = httpx.post(server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 2,
                                                       "ignore_eos": True},

@@ -16,6 +16,7 @@ from pydantic import (
     model_validator,
 )
 
+from widellm.entrypoints.input_checks import check_json_values
 from widellm.sampling_params import SamplingParams
 
 # OpenAI's limit for chat ``top_logprobs``; applied to completions' ``logprobs`` as well so a
@@ -45,6 +46,17 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class RequestModel(OpenAIBaseModel):
+    """A request body: refuses NaN, Infinity, integers beyond 64 bits and lone surrogates
+    anywhere in it, naming the field (``input_checks``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_json_values(cls, data: Any) -> Any:
+        check_json_values(data)
+        return data
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 class ErrorInfo(OpenAIBaseModel):
@@ -64,7 +76,7 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestModel):
     """Fields completions and chat share. ``None`` means "the SamplingParams default"."""
 
     model: str | None = None
@@ -159,7 +171,7 @@ class ChatMessage(OpenAIBaseModel):
         return message
 
 
-class ChatTemplateFields(OpenAIBaseModel):
+class ChatTemplateFields(RequestModel):
     """How chat messages become a prompt (shared by chat and /tokenize)."""
 
     add_generation_prompt: bool = True
@@ -209,7 +221,7 @@ class TokenizeRequest(ChatTemplateFields):
         return self
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: TokenIds
 
