@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
+from tests.cpu_info import cpu_flags
 from widellm.config import auto_dtype, resolve_dtype
 
 
@@ -17,17 +16,9 @@ def test_auto_dtype_follows_native_bf16(native_bf16, expected, monkeypatch):
     assert resolve_dtype("auto") is expected
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((ln for ln in lines if ln.startswith("flags")), "").split(":")[-1].split())
-
-
 def test_auto_dtype_on_this_cpu():
     """The oracle is the CPU's own flags, not the oneDNN call auto_dtype makes."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags on this platform")
     if flags & {"avx512_bf16", "amx_bf16"}:

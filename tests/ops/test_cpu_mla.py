@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.cpu_info import cpu_flags
 from widellm.forward_context import set_forward_context
 from widellm.layers.attention_metadata import build_attention_metadata
 from widellm.layers.mla import MLAAttention
@@ -116,19 +117,11 @@ def test_mla_kernel_rejects_bad_tables(kernels):
                                      torch.tensor([0, 1, 1, 1, 1]), LORA, 0.15)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        lines = open("/proc/cpuinfo").read().splitlines()
-    except OSError:
-        return set()
-    return set(next((ln for ln in lines if ln.startswith("flags")), "").split(":")[-1].split())
-
-
 def test_amx_paths_stay_off_without_amx(kernels):
     """Where the AMX tests above skip, the AMX paths must not run either: the CPU's own flags
     (an oracle independent of the kernels' checks) decide whether the MLA kernel is offered,
     and without AMX the layer keeps the gather form (the tested twin) even in bf16."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags on this platform")
     if "amx_tile" in flags and "amx_bf16" in flags:

@@ -3,18 +3,27 @@ SiLU-and-mul, RMSNorm (alone and with the residual add), rotary embedding, MLA d
 and the routed experts, each with a torch reference twin where it is used.
 
 They are compiled on first use with torch's C++ extension builder (ninja + the system C++
-compiler, once per machine and kernel source, then cached by torch; 2.3 minutes on a 2-core
-AVX2 VM) for the CPU they run on. Where that is impossible, or with ``WIDELLM_CPU_KERNELS=0``,
+compiler, once per machine and kernel source, then cached by torch; 1.5-2.3 minutes on a
+2-core AVX2 VM) for the CPU they run on, into ``<torch extensions root>/py<ver>_torch<ver>/
+widellm_cpu_ops_<tag>``: the tag hashes the CPU's flags, the compiler flags, the sources and
+their folder, so two checkouts, versions or targets never share (and keep rebuilding) one
+folder. A build holds an ``flock`` beside its folder, which the kernel drops if the process
+dies; so a ``lock`` file torch's builder finds there can only be left by a build killed
+part-way (Ctrl-C, the OOM killer), and is removed instead of being waited on forever. Where that is impossible, or with ``WIDELLM_CPU_KERNELS=0``,
 :func:`load_cpu_kernels` returns None and every caller takes its torch path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -36,6 +45,10 @@ ENV_DISABLE = "WIDELLM_CPU_KERNELS"
 # Zen 1-3) on an AVX-512 machine, to test or time them there.
 ENV_MARCH = "WIDELLM_CPU_MARCH"
 DEFAULT_MARCH = "native"
+# The file torch's extension builder creates in a build folder while it builds and waits on
+# while it exists (torch.utils.file_baton).
+TORCH_BUILD_LOCK = "lock"
+TORCH_EXTENSIONS_DIR_ENV = "TORCH_EXTENSIONS_DIR"
 
 
 def cflags() -> list[str]:
@@ -55,9 +68,37 @@ def _build_tag() -> str:
         flags = ""
     digest = hashlib.sha1(flags.encode())
     digest.update(" ".join(cflags()).encode())
+    digest.update(str(SOURCE_DIR.resolve()).encode())
     for path in sorted(SOURCE_DIR.iterdir()):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:10]
+
+
+def build_directory(name: str) -> Path:
+    """Where the build ``name`` lives: torch's root, or TORCH_EXTENSIONS_DIR as torch's
+    builder itself honours it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get(TORCH_EXTENSIONS_DIR_ENV) or get_default_build_root()
+    version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+    return Path(root) / version / name
+
+
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Hold the build folder against other widellm processes, removing a stale torch lock."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.with_name(build_dir.name + ".widellm-lock"), "w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another process is building the CPU kernels in %s; waiting", build_dir)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build_dir / TORCH_BUILD_LOCK
+        if stale.exists():  # no live build holds our flock, so nobody is behind this file
+            logger.warning("removing %s, left by a CPU kernel build killed part-way", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
@@ -69,15 +110,24 @@ def load_cpu_kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        name = f"widellm_cpu_ops_{_build_tag()}"
+        build_dir = build_directory(name)
         start = time.perf_counter()
-        module = load(
-            name=f"widellm_cpu_ops_{_build_tag()}",
-            sources=[str(SOURCE_DIR / name) for name in SOURCES],
-            extra_cflags=cflags(),
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-        logger.info("CPU kernels ready (%.1f s)", time.perf_counter() - start)
+        with exclusive_build(build_dir):
+            cached = (build_dir / f"{name}.so").exists()
+            if not cached:
+                logger.info("compiling the CPU kernels for this CPU into %s (once per machine "
+                            "and source; a few minutes on 2 cores)", build_dir)
+            module = load(
+                name=name,
+                sources=[str(SOURCE_DIR / source) for source in SOURCES],
+                extra_cflags=cflags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        logger.info("CPU kernels ready (%.1f s, %s %s)", time.perf_counter() - start,
+                    "cached in" if cached else "compiled into", build_dir)
         return module
     except Exception as exc:  # no compiler, no ninja, unsupported platform
         logger.warning("CPU kernels unavailable (%s); using the torch reference paths", exc)
