@@ -175,8 +175,14 @@ class ParallelConfig:
     all2all_fixed_capacity: int | None = None
     # Seconds a collective may block before the rank gives up (a peer died or hung).
     distributed_timeout_s: float = 120.0
+    # Seconds the frontend waits for every engine core to load its model and report ready.
+    # Loading a large checkpoint can take minutes; a core silent for this long is dead.
+    engine_ready_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if self.engine_ready_timeout_s <= 0:
+            raise ValueError(
+                f"engine_ready_timeout_s must be > 0, got {self.engine_ready_timeout_s}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         local = self.local_size

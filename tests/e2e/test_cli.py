@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -62,3 +63,18 @@ def test_serve_step_budget_defaults_to_vllms_api_server_one():
     assert parser.parse_args(["serve", "--max-num-batched-tokens", "4096"]) \
         .max_num_batched_tokens == 4096
     assert parser.parse_args(["generate", "hi"]).max_num_batched_tokens == 4096
+
+
+def test_engine_ready_timeout_is_a_flag(model_dir, tmp_path):
+    """A core that is not ready within --engine-ready-timeout-s fails the start with a message
+    naming the rank and the flag (spawning a core and importing torch alone take longer
+    than the half second given here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run_cli(["serve", model_dir("LlamaForCausalLM"), "--dtype", "float32",
+                    "--num-kv-blocks", "256", "--port", str(port),
+                    "--engine-ready-timeout-s", "0.5"], str(tmp_path), timeout=120)
+    assert proc.returncode != 0
+    assert "engine cores [0] not ready after" in proc.stderr, proc.stderr
+    assert "raise --engine-ready-timeout-s" in proc.stderr

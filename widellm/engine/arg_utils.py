@@ -85,6 +85,9 @@ class EngineArgs:
                 "decode step; larger batches spill through a checked second round)"})
     distributed_timeout_s: float = field(default=120.0, metadata={
         "help": "seconds a collective may wait for a peer before the rank fails"})
+    engine_ready_timeout_s: float = field(default=600.0, metadata={
+        "help": "seconds to wait for the engine cores to load the model and report ready "
+                "(the first start's one-time CPU kernel build counts in it)"})
     enable_eplb: bool = field(default=False, metadata={
         "help": "expert-parallel load balancing: replicate and re-place hot experts"})
     eplb_num_redundant_experts: int = field(default=0, metadata={
@@ -173,6 +176,7 @@ class EngineArgs:
                 all2all_backend=self.all2all_backend,
                 all2all_fixed_capacity=self.all2all_fixed_capacity,
                 distributed_timeout_s=self.distributed_timeout_s,
+                engine_ready_timeout_s=self.engine_ready_timeout_s,
             ),
             eplb_config=EPLBConfig(
                 enable_eplb=self.enable_eplb,

@@ -43,8 +43,6 @@ from widellm.engine.kv_budget import share_host_memory
 
 logger = logging.getLogger(__name__)
 
-# Loading a large checkpoint can take minutes; a core that says nothing for this long is dead.
-STARTUP_TIMEOUT_S = 600.0
 SHUTDOWN_GRACE_S = 5.0
 _POLL_S = 0.5
 
@@ -134,7 +132,7 @@ class EngineCoreClient:
         self.peak_rss_bytes: dict[int, int] = {}
         self.eplb_stats: dict[int, EplbStats] = {}
         try:
-            self.num_kv_blocks = self._handshake(pc.data_parallel_address)
+            self.num_kv_blocks = self._handshake(pc.data_parallel_address, pc.engine_ready_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -144,7 +142,7 @@ class EngineCoreClient:
 
     # ---- start-up ------------------------------------------------------------------------
 
-    def _handshake(self, store_host: str) -> int:
+    def _handshake(self, store_host: str, timeout_s: float) -> int:
         """Answer each rank's HELLO, then wait for every READY; returns the smallest KV pool."""
         reply = self._encoder.encode(HandshakeReply(
             self._output_addr, store_host, self._store.port if self._store else 0))
@@ -154,9 +152,10 @@ class EngineCoreClient:
         ready: dict[int, int] = {}
         waited = 0.0
         while len(ready) < self.num_ranks:
-            if waited >= STARTUP_TIMEOUT_S:
+            if waited >= timeout_s:
                 missing = sorted(set(range(self.num_ranks)) - set(ready))
-                raise RuntimeError(f"engine cores {missing} not ready after {waited:.0f} s")
+                raise RuntimeError(f"engine cores {missing} not ready after {waited:.0f} s "
+                                   "(raise --engine-ready-timeout-s if they are still loading)")
             events = dict(poller.poll(int(_POLL_S * 1000)))
             if self._sync_in in events:
                 identity, kind, _ = self._sync_in.recv_multipart()
