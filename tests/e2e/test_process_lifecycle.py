@@ -151,3 +151,29 @@ def test_core_killed_during_startup_is_named_by_its_signal(model_dir, tmp_path):
         assert "exit code -9" not in log
     finally:
         server.stop()
+
+
+# Start-up without the kernel build takes a few seconds here; the build phase is made longer
+# than the whole timeout, so the start succeeds only if that phase is left out of it.
+READY_TIMEOUT_S = 10.0
+KERNEL_BUILD_SLEEP_S = 12.0
+
+
+def test_kernel_build_is_not_counted_in_the_ready_timeout(model_dir, monkeypatch, caplog):
+    from widellm.engine.arg_utils import EngineArgs
+    from widellm.engine.core_client import EngineCoreClient
+    from widellm.engine.core_proc import TEST_KERNEL_BUILD_SLEEP_ENV
+
+    monkeypatch.setenv(TEST_KERNEL_BUILD_SLEEP_ENV, str(KERNEL_BUILD_SLEEP_S))
+    args = EngineArgs(model=model_dir(MODEL_ARCH), dtype="float32", num_kv_blocks=64, max_model_len=256,
+                      engine_ready_timeout_s=READY_TIMEOUT_S)
+    caplog.set_level("INFO", logger="widellm.engine.core_client")
+    client = EngineCoreClient(args.create_engine_config())
+    try:
+        assert client.num_kv_blocks == 64
+        (line,) = [r.getMessage() for r in caplog.records if "building the CPU" in r.getMessage()]
+        took = float(line.split(" took ")[1].split(" s ")[0])
+        assert took >= KERNEL_BUILD_SLEEP_S
+        assert line.endswith("(not counted in --engine-ready-timeout-s)")
+    finally:
+        client.shutdown()

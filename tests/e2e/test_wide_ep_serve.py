@@ -6,7 +6,9 @@ crashes making the server unhealthy and failing in-flight requests instead of ha
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,10 +158,19 @@ def test_rank_crash_fails_requests_and_health(dp2_server):
             assert next(lines).startswith("data: {")
             cores = _engine_core_pids(dp2_server)
             assert len(cores) == 2
-            os.kill(max(cores), signal.SIGKILL)
+            killed_pid = max(cores)
+            os.kill(killed_pid, signal.SIGKILL)
             killed = time.monotonic()
             rest = [line for line in lines if line.startswith("data:")]
     assert time.monotonic() - killed < DEATH_TIMEOUT_S
     assert rest[-1] == "data: [DONE]"
-    assert '"error"' in rest[-2] and "engine" in rest[-2]
+    # The dead rank is named (not the survivor whose collective failed), by its signal.
+    message = json.loads(rest[-2].removeprefix("data: "))["error"]["message"]
+    assert re.search(rf"engine core [01] \(pid {killed_pid}\) died: killed by SIGKILL", message), \
+        message
     assert httpx.get(url + "/health").status_code == 503
+    # Both cores are reaped (gone from /proc, not zombies) while the server lives on.
+    deadline = time.monotonic() + DEATH_TIMEOUT_S
+    while any(Path(f"/proc/{pid}").exists() for pid in cores) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in cores if Path(f"/proc/{pid}").exists()] == []

@@ -1,10 +1,8 @@
-"""The fused decode stacks (``llama_decode_layers``, ``deepseek_decode_layers``;
-widellm/model/fused_decode.py) against their reference twin, the layers' own forwards: the
-same tokens and the same logprobs, bit for bit."""
+"""The fused decode stack (``llama_decode_layers``; widellm/model/fused_decode.py) against its
+reference twin, the layers' own forwards: the same tokens and the same logprobs, bit for bit."""
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -12,10 +10,8 @@ import torch
 
 from widellm import LLM, SamplingParams
 from widellm.layers.linear import PACKED_LINEAR_ENV, packed_linear_available
-from widellm.model.presets import PRESETS, write_checkpoint
 from widellm.model.fused_decode import (
-    FUSED_DECODE_ENV, DeepseekFusedDecode, FusedDecode, LlamaFusedDecode, enable_fused_decode,
-    fused_decode_enabled,
+    FUSED_DECODE_ENV, LlamaFusedDecode, enable_fused_decode, fused_decode_enabled,
 )
 
 PROMPT_LENS = (5, 9, 17, 30, 33, 48, 64, 100)
@@ -41,28 +37,6 @@ def _run(llm: LLM, prompts: list[dict]) -> list[tuple[list[int], list[dict]]]:
             for o in outs]
 
 
-# The tiny DeepSeek presets with MLA widths the AMX MLA kernel takes (multiples of 32; theirs
-# are 32 + 16): without it decodes take the gather form, which the fused stack does not cover.
-MLA_KERNEL_SIZES = {"kv_lora_rank": 64, "qk_rope_head_dim": 32}
-DEEPSEEK_PRESETS = {"DeepseekV3ForCausalLM": "deepseek-v3-tiny",
-                    "DeepseekV2ForCausalLM": "deepseek-v2-tiny"}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(model_dir, tmp_path_factory):
-    """arch -> a tiny checkpoint of it (DeepSeek ones with :data:`MLA_KERNEL_SIZES`)."""
-    def get(arch: str) -> str:
-        if arch not in DEEPSEEK_PRESETS:
-            return model_dir(arch)
-        spec = PRESETS[DEEPSEEK_PRESETS[arch]]
-        spec = dataclasses.replace(spec, config_kwargs={**spec.config_kwargs, **MLA_KERNEL_SIZES})
-        folder = tmp_path_factory.mktemp(arch)
-        write_checkpoint(spec, str(folder))
-        return str(folder)
-
-    return get
-
-
 def _decoder(llm: LLM):
     return llm.llm_engine.engine_core.model_runner.model.model
 
@@ -73,23 +47,14 @@ def _decoder(llm: LLM):
     pytest.param("Qwen2ForCausalLM", LlamaFusedDecode, "bfloat16", marks=needs_packed_linears),
     ("LlamaForCausalLM", LlamaFusedDecode, "float32"),
     ("Qwen2ForCausalLM", LlamaFusedDecode, "float32"),
-    # q_lora_rank, sigmoid + grouped routing
-    pytest.param("DeepseekV3ForCausalLM", DeepseekFusedDecode, "bfloat16",
-                 marks=needs_packed_linears),
-    # q_proj, softmax routing
-    pytest.param("DeepseekV2ForCausalLM", DeepseekFusedDecode, "bfloat16",
-                 marks=needs_packed_linears),
 ])
-def test_fused_decode_equals_the_layers(arch, stack, dtype, checkpoint, kernels, monkeypatch):
+def test_fused_decode_equals_the_layers(arch, stack, dtype, model_dir, kernels, monkeypatch):
     # No prefix caching: the second run must prefill exactly as the first did.
-    llm = LLM(checkpoint(arch), dtype=dtype, num_kv_blocks=128, max_model_len=256,
+    llm = LLM(model_dir(arch), dtype=dtype, num_kv_blocks=128, max_model_len=256,
               enable_prefix_caching=False)
     try:
         decoder = _decoder(llm)
         fused = decoder.fused_decode
-        if stack is DeepseekFusedDecode and not _decoder(llm).layers[0].self_attn.mla \
-                .prefers_in_place_decode(16):
-            pytest.skip("no AMX here: MLA decodes take the gather form")
         assert type(fused) is stack
         calls = []
         original = stack.__call__
@@ -131,7 +96,9 @@ def test_fused_decode_rejects_a_slot_outside_the_cache(model_dir, kernels):
 
 @pytest.mark.parametrize("arch,dtype,packed", [
     ("MixtralForCausalLM", "bfloat16", "1"),  # MoE layers: not covered
-    ("DeepseekV3ForCausalLM", "float32", "1"),  # the DeepSeek stack is bf16 only
+    # MLA layers: no stack covers them (the DeepSeek one was removed), in either dtype
+    ("DeepseekV3ForCausalLM", "bfloat16", "1"),
+    ("DeepseekV2ForCausalLM", "float32", "1"),
     ("LlamaForCausalLM", "float32", "0"),  # plain linears: the layers' own path
 ])
 def test_fused_decode_only_where_it_applies(arch, dtype, packed, model_dir, kernels,

@@ -130,6 +130,6 @@ def test_amx_paths_stay_off_without_amx(kernels):
     layer, *_ = _layer_and_inputs()
     assert not layer.prefers_in_place_decode(BLOCK)
     if "avx512_bf16" not in flags:
-        # No bf16 experts kernel either, so the DeepSeek fused stack (which needs it) is never
-        # built here (DeepseekFusedDecode.build).
+        # No bf16 experts kernel either: the routed experts keep torch's (tested) paths here
+        # (experts.fused_experts_backend).
         assert kernels.fused_experts_backend(256, 512) == "none"

@@ -14,7 +14,9 @@ import time
 from collections.abc import AsyncGenerator
 
 from widellm.engine.arg_utils import EngineArgs
-from widellm.engine.core_client import EngineCoreClient, EngineDeadError
+from widellm.engine.core_client import (
+    DEATH_NOTICE_S, DEATH_POLL_S, EngineCoreClient, EngineDeadError,
+)
 from widellm.engine.metrics import EngineMetrics
 from widellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from widellm.engine.processor import InputProcessor, PromptType
@@ -26,6 +28,11 @@ logger = logging.getLogger(__name__)
 
 # How often the output loop wakes without output to check that the core is still alive.
 HEALTH_POLL_S = 0.5
+
+
+class EngineDrainingError(RuntimeError):
+    """The server is shutting down: it takes no new requests, and cuts the ones still running
+    when its drain timeout ends."""
 
 
 class AsyncLLM:
@@ -41,6 +48,10 @@ class AsyncLLM:
             self.config.observability_config.request_stall_timeout_s, self.metrics,
             self.client.rank_of)
         self.dead_error: str | None = None
+        # Set by the server's shutdown: ``draining`` refuses new requests at the door,
+        # ``_cut_reason`` then ends the running ones.
+        self.draining = False
+        self._cut_reason: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: asyncio.Task | None = None
 
@@ -65,6 +76,8 @@ class AsyncLLM:
         goes to ``data_parallel_rank`` if given, else to the rank the balancer picks.
         ``cache_salt`` (or the prompt dict's) keeps its prefix-cache blocks to its salt."""
         await self.check_health()
+        if self._cut_reason is not None:  # arrived after the drain timeout's cut
+            raise EngineDrainingError(self._cut_reason)
         self._ensure_output_task()
         text, token_ids = self.processor.tokenize(prompt)
         self.processor.validate_prompt(token_ids)
@@ -104,6 +117,24 @@ class AsyncLLM:
             self.metrics.record_aborted()
             await self.client.abort_requests_async(core_ids)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests between ``generate``'s start and their last output."""
+        return len(self._queues)
+
+    def start_draining(self) -> None:
+        """From now on the serving layer refuses new requests; running ones go on."""
+        self.draining = True
+
+    def cut_in_flight(self, reason: str) -> int:
+        """End every running request with ``EngineDrainingError(reason)``: each ``generate``
+        raises it and aborts its engine requests, and so does any ``generate`` that starts
+        later. Returns how many were cut."""
+        self._cut_reason = reason
+        for q in self._queues.values():
+            q.put_nowait(EngineDrainingError(reason))
+        return len(self._queues)
+
     def _ensure_output_task(self) -> None:
         if self._output_task is None or self._output_task.done():
             self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
@@ -114,13 +145,15 @@ class AsyncLLM:
                 batch = await self.client.get_output_async(HEALTH_POLL_S)
                 # Every wake-up, output or not: a core stuck in a step sends nothing.
                 self.stall_detector.check()
+                # Polled on every wake-up, too: that reaps a core that died while others
+                # keep sending output.
+                if not self.client.is_alive():
+                    raise EngineDeadError(self.client.dead_reason())
                 if batch is None:
-                    if not self.client.is_alive():
-                        raise EngineDeadError(self.client.dead_reason())
                     continue
                 if batch.engine_error is not None:
-                    raise EngineDeadError(
-                        f"engine core {batch.dp_rank} failed: {batch.engine_error}")
+                    raise EngineDeadError(await self._failure_reason(batch.dp_rank,
+                                                                     batch.engine_error))
                 self.stall_detector.core_reported(batch.dp_rank, batch.scheduler_stats)
                 for core_out in batch.outputs:
                     if core_out.new_token_ids:
@@ -143,6 +176,20 @@ class AsyncLLM:
             logger.error("%s; failing %d in-flight requests", e, len(self._queues))
             for q in self._queues.values():
                 q.put_nowait(EngineDeadError(str(e)))
+            await self._reap_cores()
+
+    async def _reap_cores(self) -> None:
+        """The other ranks exit after a failure of their own; poll (and so reap) them until
+        they have, so none stays a zombie of a server that lives on to answer 503s."""
+        while any(p.is_alive() for p in self.client.procs):
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def _failure_reason(self, rank: int, engine_error: str) -> str:
+        # A moment for another rank's death to show (EngineCoreClient.failure_reason).
+        deadline = time.monotonic() + DEATH_NOTICE_S
+        while self.client.others_alive(rank) and time.monotonic() < deadline:
+            await asyncio.sleep(DEATH_POLL_S)
+        return self.client.failure_reason(rank, engine_error)
 
     def _record(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -23,6 +23,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -35,8 +36,8 @@ from widellm.core.outputs import EplbStats
 from widellm.core.scheduler import SchedulerStats
 from widellm.distributed.load_balancer import DPLoadBalancer
 from widellm.engine.core_proc import (
-    HELLO, EngineCoreOutputs, HandshakeReply, ReadyMessage, RequestKind, rank_identity,
-    run_engine_core,
+    HELLO, EngineCoreOutputs, HandshakeReply, ReadyMessage, RequestKind, StartupPhase,
+    rank_identity, run_engine_core,
 )
 from widellm.engine.engine_core import EngineCoreRequest
 from widellm.engine.kv_budget import share_host_memory
@@ -45,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
 _POLL_S = 0.5
+# How long a rank's failure waits for another local rank's death to show (see
+# ``failure_reason``); a rank failing on its own is reported this much later.
+DEATH_NOTICE_S = 1.0
+DEATH_POLL_S = 0.02
 
 
 class EngineDeadError(RuntimeError):
@@ -98,6 +103,7 @@ class EngineCoreClient:
     def __init__(self, config: EngineConfig) -> None:
         pc = config.parallel_config
         self.num_ranks = pc.data_parallel_size
+        self._start_rank = pc.data_parallel_start_rank
         self._tmpdir = tempfile.mkdtemp(prefix="widellm-ipc-")
         # Async sockets for serving; the sync paths use shadows of the same sockets.
         self._ctx = zmq.asyncio.Context()
@@ -143,15 +149,21 @@ class EngineCoreClient:
     # ---- start-up ------------------------------------------------------------------------
 
     def _handshake(self, store_host: str, timeout_s: float) -> int:
-        """Answer each rank's HELLO, then wait for every READY; returns the smallest KV pool."""
+        """Answer each rank's HELLO, then wait for every READY; returns the smallest KV pool.
+        Time while any rank reports a :class:`StartupPhase` (the CPU kernel build) is not
+        counted against ``timeout_s``."""
         reply = self._encoder.encode(HandshakeReply(
             self._output_addr, store_host, self._store.port if self._store else 0))
         poller = zmq.Poller()
         poller.register(self._sync_in, zmq.POLLIN)
         poller.register(self._sync_out, zmq.POLLIN)
         ready: dict[int, int] = {}
-        waited = 0.0
+        in_phase: dict[int, tuple[str, float]] = {}  # rank -> (phase, its start)
+        waited, last = 0.0, time.monotonic()
         while len(ready) < self.num_ranks:
+            now = time.monotonic()
+            waited += 0.0 if in_phase else now - last
+            last = now
             if waited >= timeout_s:
                 missing = sorted(set(range(self.num_ranks)) - set(ready))
                 raise RuntimeError(f"engine cores {missing} not ready after {waited:.0f} s "
@@ -162,31 +174,63 @@ class EngineCoreClient:
                 if kind == HELLO:
                     self._sync_in.send_multipart([identity, reply])
             if self._sync_out in events:
-                raw = self._sync_out.recv()
-                try:
-                    msg = msgspec.msgpack.decode(raw, type=ReadyMessage)
-                except msgspec.ValidationError:
-                    err = self._decoder.decode(raw)
-                    raise RuntimeError(
-                        f"engine core {err.dp_rank} failed to start: {err.engine_error}") from None
-                ready[msg.dp_rank] = msg.num_kv_blocks
+                msg = self._startup_message(self._sync_out.recv())
+                if isinstance(msg, ReadyMessage):
+                    ready[msg.dp_rank] = msg.num_kv_blocks
+                elif msg.started:
+                    in_phase[msg.dp_rank] = (msg.phase, time.monotonic())
+                elif msg.dp_rank in in_phase:
+                    _, began = in_phase.pop(msg.dp_rank)
+                    logger.info("engine core %d: %s took %.1f s (not counted in "
+                                "--engine-ready-timeout-s)", msg.dp_rank, msg.phase,
+                                time.monotonic() - began)
             dead = [p for p in self.procs if not p.is_alive()]
             if dead:
                 raise RuntimeError(f"engine core exited during start-up "
                                    f"({dead[0].name}, {describe_exit(dead[0].exitcode)})")
-            waited += 0 if events else _POLL_S
         return min(ready.values())
+
+    def _startup_message(self, raw: bytes) -> ReadyMessage | StartupPhase:
+        """A rank's READY or phase report; RuntimeError for a rank that failed to start."""
+        try:
+            return msgspec.msgpack.decode(raw, type=ReadyMessage | StartupPhase)
+        except msgspec.ValidationError:
+            err = self._decoder.decode(raw)
+            raise RuntimeError(
+                f"engine core {err.dp_rank} failed to start: {err.engine_error}") from None
 
     # ---- health --------------------------------------------------------------------------
 
     def is_alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        # Poll every process, not up to the first dead one: polling reaps an exited core,
+        # which would otherwise stay a zombie while the server lives on.
+        return all([p.is_alive() for p in self.procs])
+
+    def _dead(self) -> list[tuple[int, multiprocessing.Process]]:
+        start = self._start_rank
+        return [(start + i, p) for i, p in enumerate(self.procs) if not p.is_alive()]
 
     def dead_reason(self) -> str:
-        dead = [p for p in self.procs if not p.is_alive()]
+        dead = self._dead()
         if not dead:
             return "engine core is not running"
-        return f"engine core process exited ({dead[0].name}, {describe_exit(dead[0].exitcode)})"
+        rank, proc = dead[0]
+        return f"engine core {rank} (pid {proc.pid}) died: {describe_exit(proc.exitcode)}"
+
+    def failure_reason(self, rank: int, engine_error: str) -> str:
+        """Why the engine failed when ``rank`` reports ``engine_error``. When another local
+        rank has died, the survivors' collectives failing is the symptom, not the cause: the
+        dead rank is named first. Its death can trail the survivors' error by a moment (the
+        kernel closes its sockets before it becomes a zombie): callers first wait up to
+        :data:`DEATH_NOTICE_S` while :meth:`others_alive`."""
+        reported = f"engine core {rank} failed: {engine_error}"
+        if any(r != rank for r, _ in self._dead()):
+            return f"{self.dead_reason()}; then {reported}"
+        return reported
+
+    def others_alive(self, rank: int) -> bool:
+        """Whether every local rank but ``rank`` is still running (remote ranks unknown)."""
+        return all(r == rank for r, _ in self._dead())
 
     # ---- routing -------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ Start-up: the core connects a DEALER socket (identity = its rank) to the fronten
 torch.distributed rendezvous store is. Only that one address has to be known, so ranks on
 another machine (``--headless``) find everything from ``--data-parallel-address`` and
 ``--data-parallel-rpc-port``. The core then joins the process groups, builds the model and
-sends READY.
+sends READY. Before that it may report start-up phases (``StartupPhase``: the CPU kernel
+build) that the frontend's start-up timeout leaves out.
 
 Frames are msgpack (msgspec). Frontend -> core: ``(kind, payload)`` with kind ``ADD`` (an
 EngineCoreRequest), ``ABORT`` (request ids) or ``SHUTDOWN``. Core -> frontend on a PUSH
@@ -44,6 +45,7 @@ from widellm.distributed.groups import DPGroups, destroy_dp_groups, init_dp_grou
 from widellm.distributed.lockstep import DPLockstep
 from widellm.engine.engine_core import EngineCore, EngineCoreRequest
 from widellm.gc_heap import freeze_startup_heap
+from widellm.ops.cpu_kernels import load_cpu_kernels
 from widellm.step_timer import maybe_phase
 from widellm.worker.memory import peak_rss_bytes
 
@@ -107,10 +109,25 @@ class HandshakeReply(msgspec.Struct, array_like=True):
     store_port: int  # 0 when there is a single rank (no process group)
 
 
-class ReadyMessage(msgspec.Struct, array_like=True):
+class ReadyMessage(msgspec.Struct, array_like=True, tag="ready"):
     dp_rank: int
     num_kv_blocks: int
     pid: int
+
+
+class StartupPhase(msgspec.Struct, array_like=True, tag="phase"):
+    """A rank entering (``started``) or leaving a start-up phase the frontend reports and
+    does not count against ``--engine-ready-timeout-s``: the one-time CPU kernel build takes
+    minutes on a small machine, loading a model seconds, and only the second is a hang."""
+    dp_rank: int
+    phase: str
+    started: bool
+
+
+# The phase of compiling (or loading the cached build of) the CPU kernels.
+KERNEL_BUILD_PHASE = "building the CPU kernels"
+# Test hook: seconds a core sleeps inside the kernel build phase (a slow first build).
+TEST_KERNEL_BUILD_SLEEP_ENV = "WIDELLM_TEST_KERNEL_BUILD_SLEEP_S"
 
 
 def rank_identity(rank: int) -> bytes:
@@ -148,6 +165,8 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int,
             # Ranks on one machine share its cores; more threads than cores make every
             # rank's GEMMs and the lockstep collectives wait on the OS scheduler.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.local_size))
+        if not on_cuda():
+            _load_kernels(out, encoder, dp_rank)
         if pc.needs_lockstep:
             groups = init_dp_groups(dp_rank, pc.data_parallel_size, reply.store_host,
                                     reply.store_port, pc.distributed_timeout_s)
@@ -166,6 +185,15 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int,
         ctx.term()
         if groups is not None:
             destroy_dp_groups()
+
+
+def _load_kernels(out: zmq.Socket, encoder: msgspec.msgpack.Encoder, dp_rank: int) -> None:
+    """Build or load the CPU kernels now (the model loader would otherwise, inside the
+    timed start-up), inside a :data:`KERNEL_BUILD_PHASE` the frontend does not time."""
+    out.send(encoder.encode(StartupPhase(dp_rank, KERNEL_BUILD_PHASE, True)))
+    load_cpu_kernels()
+    time.sleep(float(os.environ.get(TEST_KERNEL_BUILD_SLEEP_ENV, "0") or 0))
+    out.send(encoder.encode(StartupPhase(dp_rank, KERNEL_BUILD_PHASE, False)))
 
 
 class _CoreLoop:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
 from widellm.engine.arg_utils import EngineArgs
 from widellm.core.outputs import EngineCoreOutput
-from widellm.engine.core_client import EngineCoreClient, EngineDeadError
+from widellm.engine.core_client import (
+    DEATH_NOTICE_S, DEATH_POLL_S, EngineCoreClient, EngineDeadError,
+)
 from widellm.engine.engine_core import EngineCore
 from widellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from widellm.engine.processor import InputProcessor, PromptType
@@ -108,7 +111,10 @@ class LLMEngine:
                 raise EngineDeadError(self.client.dead_reason())
             return []
         if batch.engine_error is not None:
-            raise EngineDeadError(f"engine core {batch.dp_rank} failed: {batch.engine_error}")
+            deadline = time.monotonic() + DEATH_NOTICE_S
+            while self.client.others_alive(batch.dp_rank) and time.monotonic() < deadline:
+                time.sleep(DEATH_POLL_S)
+            raise EngineDeadError(self.client.failure_reason(batch.dp_rank, batch.engine_error))
         return batch.outputs
 
     def shutdown(self) -> None:

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from widellm.config import ModelConfig
 from widellm.engine.engine_core import EngineCoreRequest
-from widellm.engine.tokenizer import get_tokenizer
+from widellm.engine.tokenizer import get_tokenizer, max_chars_per_token
 from widellm.model.loader import load_eos_token_ids
 from widellm.sampling_params import SamplingParams
 
@@ -43,6 +43,23 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = model_config.hf_config.vocab_size
+        # Computed once: it walks the vocabulary.
+        self.max_chars_per_token = (max_chars_per_token(tokenizer)
+                                    if tokenizer is not None else None)
+
+    def check_text_length(self, text: str, param: str = "prompt") -> None:
+        """Refuse text too long to fit in max_model_len whatever it encodes to, without
+        tokenizing it: no token covers more than ``max_chars_per_token`` characters."""
+        per_token = self.max_chars_per_token
+        max_len = self.model_config.max_model_len
+        if per_token is None:
+            return
+        min_tokens = -(-len(text) // per_token)
+        if min_tokens > max_len:
+            raise ValueError(
+                f"{param}: {len(text)} characters are at least {min_tokens} tokens (no token of "
+                f"this tokenizer covers more than {per_token} characters), more than "
+                f"max_model_len={max_len}")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -52,6 +69,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text needs a tokenizer; pass token ids instead")
+            self.check_text_length(prompt)
             return prompt, list(self.tokenizer(prompt).input_ids)
         return None, [int(t) for t in prompt]
 

@@ -8,6 +8,7 @@ and picks the wrong EOS, turning chat output into garbage.
 Nothing here downloads: model names must be local paths (or the default model's name).
 """
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -170,3 +171,85 @@ def _whole_token(content: str, *, special: bool) -> AddedToken:
     return AddedToken(
         content, special=special, normalized=False, single_word=False, lstrip=False, rstrip=False
     )
+
+
+# ---- how many characters one token can cover -------------------------------------------------
+
+# The longest canonical decomposition of one Unicode code point (U+1F82 and kin: a letter and
+# three marks). NFC/NFKC compose only sequences that decompose to one code point, so one
+# normalized character stands for at most this many characters of the input.
+MAX_CANONICAL_DECOMPOSITION = 4
+# Normalizers whose output is never shorter than their input (decomposition and lowercasing
+# only expand; ByteLevel maps each byte to one character; Prepend adds).
+_LENGTHENING_NORMALIZERS = frozenset({"NFD", "NFKD", "Lowercase", "Prepend", "Append",
+                                      "ByteLevel"})
+_COMPOSING_NORMALIZERS = frozenset({"NFC", "NFKC"})
+# Pre-tokenizers that split without dropping characters ("Removed" behaviour excepted below).
+# Whitespace, WhitespaceSplit, BertPreTokenizer and CharDelimiterSplit drop what they split on.
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split",
+                                     "UnicodeScripts"})
+_REMOVED = "Removed"
+
+
+def _normalizer_shrink(spec: dict | None) -> int | None:
+    """Input characters per normalized character at most; None when unbounded or unknown
+    (Strip, StripAccents, BertNormalizer, Precompiled and Nmt may delete characters)."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for child in spec.get("normalizers", []):
+            child_factor = _normalizer_shrink(child)
+            if child_factor is None:
+                return None
+            factor *= child_factor
+        return factor
+    if kind in _LENGTHENING_NORMALIZERS:
+        return 1
+    if kind in _COMPOSING_NORMALIZERS:
+        return MAX_CANONICAL_DECOMPOSITION
+    if kind == "Replace":
+        pattern = spec.get("pattern", {}).get("String")
+        content = spec.get("content", "")
+        if pattern is None or not content:  # a regex, or a deletion
+            return None
+        return max(1, -(-len(pattern) // len(content)))
+    return None
+
+
+def _keeps_every_character(spec: dict | None) -> bool:
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_every_character(child) for child in spec.get("pretokenizers", []))
+    return kind in _KEEPING_PRE_TOKENIZERS and spec.get("behavior") != _REMOVED
+
+
+def _component_spec(component: Any) -> dict | None:
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters of a prompt one token can stand for, or None where no bound holds.
+
+    A vocabulary string of n characters matches at most n characters of normalized text (for
+    byte-level BPE each character is one byte, and a character is at least one byte), so
+    ``len(text) / bound`` tokens is a lower bound on what ``text`` encodes to. No bound holds
+    for tokenizers that can drop characters (BERT-style whitespace splitting, stripping
+    normalizers), fuse runs of unknown characters into one token, map a whole word to one
+    unknown token (WordPiece, WordLevel, Unigram), or let an added token swallow whitespace."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.model).__name__ != "BPE":
+        return None
+    if backend.model.unk_token is not None and backend.model.fuse_unk:
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    if any(token.lstrip or token.rstrip for token in added):
+        return None
+    shrink = _normalizer_shrink(_component_spec(backend.normalizer))
+    if shrink is None or not _keeps_every_character(_component_spec(backend.pre_tokenizer)):
+        return None
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=0)
+    return max(1, longest) * shrink

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -30,13 +31,16 @@ from starlette.responses import Response
 
 import widellm
 from widellm.engine.arg_utils import EngineArgs
-from widellm.engine.async_llm import AsyncLLM
+from widellm.engine.async_llm import AsyncLLM, EngineDrainingError
 from widellm.engine.core_client import EngineDeadError
+from widellm.entrypoints.body_limit import BodySizeLimitMiddleware
+from widellm.entrypoints.drain import DrainingServer
 from widellm.entrypoints.errors import APIError, param_of, to_api_error
 from widellm.entrypoints.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
     TokenizeRequest, VersionResponse,
 )
+from widellm.entrypoints.serving_base import tokenizer_executor
 from widellm.entrypoints.serving_chat import OpenAIServingChat
 from widellm.entrypoints.serving_completion import OpenAIServingCompletion
 from widellm.entrypoints.serving_tokenization import OpenAIServingTokenization
@@ -44,8 +48,6 @@ from widellm.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
-# Seconds uvicorn waits for open requests (long streams) on shutdown before closing them.
-GRACEFUL_SHUTDOWN_S = 5.0
 STARTUP_POLL_S = 0.05
 # Validation errors listed in one message; a bad union field alone can raise a handful.
 MAX_VALIDATION_ERRORS = 3
@@ -91,6 +93,9 @@ def add_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(ValueError, on_api_error)
     app.add_exception_handler(EngineDeadError, on_api_error)
+    # Listed, not left to the catch-all: Starlette re-raises (and uvicorn logs a traceback
+    # for) whatever reaches its Exception handler.
+    app.add_exception_handler(EngineDrainingError, on_api_error)
     app.add_exception_handler(Exception, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
@@ -126,18 +131,29 @@ def add_guarded_docs(router: APIRouter, app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
-    """The app for ``engine``; ``args`` gives ``api_key`` and ``max_n``."""
+    """The app for ``engine``; ``args`` gives ``api_key``, ``max_n``,
+    ``max_request_body_bytes`` and ``trust_request_chat_template``."""
     served = [engine.model_config.served_name]
-    completion = OpenAIServingCompletion(engine, served, args.max_n)
-    chat = OpenAIServingChat(engine, served, args.max_n)
-    tokenization = OpenAIServingTokenization(engine, served, args.max_n)
+    pool = tokenizer_executor()
+    options = dict(executor=pool, trust_request_chat_template=args.trust_request_chat_template)
+    completion = OpenAIServingCompletion(engine, served, args.max_n, **options)
+    chat = OpenAIServingChat(engine, served, args.max_n, **options)
+    tokenization = OpenAIServingTokenization(engine, served, args.max_n, **options)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            yield
+        finally:  # a tokenization still running ends on its own; queued ones never start
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # With an API key the schema and its UIs are served by the guarded router below, so they
     # describe the API only to those who may call it.
     docs_urls = {} if not args.api_key else dict(docs_url=None, redoc_url=None,
                                                   openapi_url=None)
-    app = FastAPI(title="widellm", version=widellm.__version__, **docs_urls)
+    app = FastAPI(title="widellm", version=widellm.__version__, lifespan=lifespan, **docs_urls)
     add_exception_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
     guarded = [Depends(api_key_dependency(args.api_key))] if args.api_key else []
     api = APIRouter(dependencies=guarded)
     public = APIRouter()
@@ -176,11 +192,11 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
 
     @api.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:
-        return JSONResponse(tokenization.tokenize(request).model_dump())
+        return JSONResponse((await tokenization.tokenize(request)).model_dump())
 
     @api.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> Response:
-        return JSONResponse(tokenization.detokenize(request).model_dump())
+        return JSONResponse((await tokenization.detokenize(request)).model_dump())
 
     app.include_router(public)
     app.include_router(api)
@@ -235,9 +251,8 @@ def run_server(args: argparse.Namespace) -> None:
         config = uvicorn.Config(
             build_app(engine, args), log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, engine, args.shutdown_timeout)
 
         async def main() -> None:
             try:

@@ -13,6 +13,7 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
+from widellm.engine.async_llm import EngineDrainingError
 from widellm.engine.core_client import EngineDeadError
 from widellm.entrypoints.protocol import ErrorInfo, ErrorResponse
 
@@ -22,6 +23,8 @@ ERROR_TYPES = {
     HTTPStatus.FORBIDDEN: "PermissionDeniedError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
     HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    # The openai client has no class of its own for 413; it raises its base status error.
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "APIStatusError",
     HTTPStatus.UNPROCESSABLE_ENTITY: "UnprocessableEntityError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
@@ -79,5 +82,7 @@ def to_api_error(err: BaseException) -> APIError:
         return APIError.from_value_error(err)
     if isinstance(err, EngineDeadError):
         return APIError(f"the engine is dead: {err}", HTTPStatus.INTERNAL_SERVER_ERROR)
+    if isinstance(err, EngineDrainingError):
+        return APIError(str(err), HTTPStatus.SERVICE_UNAVAILABLE)
     return APIError(f"internal error: {type(err).__name__}: {err}",
                     HTTPStatus.INTERNAL_SERVER_ERROR)

@@ -176,6 +176,9 @@ class ChatTemplateFields(RequestModel):
 
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's field: a Jinja template used instead of the model's. A template is code, so the
+    # server renders one only when started with --trust-request-chat-template.
+    chat_template: StrictStr | None = None
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):

@@ -15,7 +15,30 @@ API_KEY_ENV = "WIDELLM_API_KEY"
 # server on CPU: prompts arriving together are then prefilled over several steps, so the first
 # ones get their first token sooner; offline, one larger step wastes less per-step overhead.
 SERVE_MAX_NUM_BATCHED_TOKENS = 2048
+# Largest request body accepted (413 beyond). A full 128k-token prompt is about 1 MB as token
+# ids (up to 8 bytes each in JSON) and at most about 2 MB as text even when every character is
+# JSON-escaped; 4 MiB leaves room for that and a few batched prompts while bounding what one
+# request makes the API server parse: JSON parsing and validation hold the GIL, about a second
+# per few MB of adversarial JSON (a long list of tiny values) on a small CPU.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+# Kubernetes sends SIGKILL 30 s after SIGTERM by default: draining for 20 s leaves time to cut
+# what is left, stop the engine cores and exit on our own.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 20.0
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {value}")
+    return number
+
+
+def _seconds(value: str) -> float:
+    number = float(value)
+    if not number >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
+    return number
 
 
 def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +52,17 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: ${API_KEY_ENV})")
     parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
                         help="largest n (samples per prompt) a request may ask for")
+    parser.add_argument("--max-request-body-bytes", type=_positive_int,
+                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="refuse request bodies larger than this with a 413 (default "
+                             f"{DEFAULT_MAX_REQUEST_BODY_BYTES >> 20} MiB)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render a chat_template sent in a request (top level or in "
+                             "chat_template_kwargs); without it such requests get a 400, "
+                             "since a template is code that can run for minutes")
+    parser.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="seconds running requests get to finish after SIGTERM before "
+                             "they are ended with an error (default %(default)s)")
     parser.add_argument("--uvicorn-log-level", type=str, default="info",
                         choices=UVICORN_LOG_LEVELS)
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",

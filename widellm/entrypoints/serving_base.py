@@ -1,10 +1,21 @@
 """What the OpenAI endpoints share: the served model names, checks that refuse a bad request
 with a 4xx before anything reaches the engine, and turning prompts and chat messages into
-token ids."""
+token ids.
+
+Tokenizing and rendering chat templates run in the app's thread pool, never on the event
+loop: a long prompt takes seconds to tokenize, and meanwhile /health and every running stream
+must keep flowing. Text that cannot fit in max_model_len is refused before either, by its
+length alone (``InputProcessor.check_text_length``).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import os
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
 
@@ -12,21 +23,40 @@ from jinja2 import TemplateError
 
 from widellm.engine.async_llm import AsyncLLM
 from widellm.entrypoints.errors import APIError
-from widellm.entrypoints.protocol import ChatMessage
+from widellm.entrypoints.protocol import ChatMessage, ChatTemplateFields
 from widellm.sampling_params import SamplingParams
+
+
+# Threads an app tokenizes and renders chat templates on. HF tokenizers release the GIL while
+# encoding, so this many prompts tokenize at once; more would only take cores from the engine.
+MAX_TOKENIZER_THREADS = 4
 
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
 
 
+def tokenizer_executor() -> ThreadPoolExecutor:
+    """A pool for one app's endpoints to share (the app shuts it down)."""
+    return ThreadPoolExecutor(max_workers=min(MAX_TOKENIZER_THREADS, os.cpu_count() or 1),
+                              thread_name_prefix="widellm-tokenize")
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_n: int) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_n: int, *,
+                 executor: Executor, trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_n = max_n
         self.max_model_len = engine.model_config.max_model_len
         self.tokenizer = engine.tokenizer
+        self.executor = executor  # the app's, shared by its endpoints
+        self.trust_request_chat_template = trust_request_chat_template
+
+    async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the executor, off the event loop; its exceptions propagate."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
 
     # ---- checks (each raises APIError) ---------------------------------------------------
 
@@ -44,6 +74,9 @@ class OpenAIServing:
         if self.engine.errored:
             reason = self.engine.dead_error or "engine core process is not running"
             raise APIError(f"the engine is dead: {reason}", HTTPStatus.INTERNAL_SERVER_ERROR)
+        if self.engine.draining:  # a request on a connection kept alive past SIGTERM
+            raise APIError("the server is shutting down; send the request elsewhere",
+                           HTTPStatus.SERVICE_UNAVAILABLE)
 
     def check_n(self, n: int) -> None:
         if n > self.max_n:
@@ -75,6 +108,22 @@ class OpenAIServing:
 
     # ---- prompts ---------------------------------------------------------------------------
 
+    def check_text_length(self, text: str, param: str) -> None:
+        try:
+            self.engine.processor.check_text_length(text, param)
+        except ValueError as e:
+            raise APIError.from_value_error(e, param) from None
+
+    async def tokenize_prompts(self, prompts: list[str | list[int]],
+                               param: str) -> list[tuple[str | None, list[int]]]:
+        """``tokenize_prompt`` of each, in the executor; text too long to fit is refused first,
+        on the loop, so it never waits for (or holds) a worker."""
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.check_text_length(prompt, param)
+        return await self.run_blocking(
+            lambda: [self.tokenize_prompt(p, param) for p in prompts])
+
     def tokenize_prompt(self, prompt: str | list[int],
                         param: str | None = None) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a valid prompt: in vocabulary, within the context."""
@@ -86,20 +135,63 @@ class OpenAIServing:
             raise APIError.from_value_error(e, param) from None
         return text, ids
 
+    def request_chat_template(self, request: ChatTemplateFields) -> str | None:
+        """The template a request brings (top level or in ``chat_template_kwargs``), refused
+        unless the server trusts request templates: one is code the server would run, and two
+        nested loops in 174 bytes held the server for seconds."""
+        in_kwargs = (request.chat_template_kwargs or {}).get("chat_template")
+        given = {name: template for name, template in (
+            ("chat_template", request.chat_template), ("chat_template_kwargs", in_kwargs))
+            if template is not None}
+        if not given:
+            return None
+        param = next(iter(given))
+        where = param if param == "chat_template" else "chat_template_kwargs.chat_template"
+        if not self.trust_request_chat_template:
+            raise APIError(f"{where}: this server does not render chat templates sent in "
+                           f"requests (start it with --trust-request-chat-template to allow "
+                           f"them)", HTTPStatus.BAD_REQUEST, param)
+        if not isinstance(in_kwargs, str | None):
+            raise APIError("chat_template_kwargs: chat_template_kwargs.chat_template must be a "
+                           "string", HTTPStatus.BAD_REQUEST, "chat_template_kwargs")
+        if len(set(given.values())) > 1:
+            raise APIError("chat_template: given at the top level and in chat_template_kwargs, "
+                           "differently", HTTPStatus.BAD_REQUEST, "chat_template")
+        return given[param]
+
+    async def chat_prompt_ids(self, request: ChatTemplateFields, validate: bool) -> list[int]:
+        """A chat request's messages as token ids, rendered and tokenized in the executor;
+        ``validate``: also checked as a prompt (in vocabulary, within max_model_len)."""
+        template = self.request_chat_template(request)
+        kwargs = {k: v for k, v in (request.chat_template_kwargs or {}).items()
+                  if k != "chat_template"}
+
+        def render() -> list[int]:
+            ids = self.chat_token_ids(request.messages, request.add_generation_prompt, kwargs,
+                                      template)
+            return self.tokenize_prompt(ids, "messages")[1] if validate else ids
+
+        return await self.run_blocking(render)
+
     def chat_token_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                       chat_template_kwargs: dict[str, Any] | None) -> list[int]:
-        """Messages rendered by the model's chat template, as token ids."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                       chat_template_kwargs: dict[str, Any] | None,
+                       chat_template: str | None = None) -> list[int]:
+        """Messages rendered by ``chat_template`` (default: the model's), as token ids. The
+        rendered text is checked for length before it is tokenized."""
+        if self.tokenizer is None or not (
+                chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise APIError("messages: this model has no chat template; use /v1/completions",
                            HTTPStatus.BAD_REQUEST, "messages")
         try:
-            ids = self.tokenizer.apply_chat_template(
-                [m.to_template_dict() for m in messages], tokenize=True,
-                add_generation_prompt=add_generation_prompt, return_dict=False,
+            text = self.tokenizer.apply_chat_template(
+                [m.to_template_dict() for m in messages], chat_template=chat_template,
+                tokenize=False, add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
         except (TemplateError, ValueError, TypeError) as e:
             # Templates reject conversations they cannot render (e.g. roles out of order).
             raise APIError(f"messages: the chat template failed: {e}", HTTPStatus.BAD_REQUEST,
                            "messages") from None
-        return list(ids)
+        self.check_text_length(text, "messages")
+        # As apply_chat_template(tokenize=True) does: the template wrote the special tokens.
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)

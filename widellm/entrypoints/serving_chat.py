@@ -34,9 +34,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_engine()
         self.check_n(request.n)
         params = self.sampling_params(request)
-        ids = self.chat_token_ids(request.messages, request.add_generation_prompt,
-                                  request.chat_template_kwargs)
-        _, ids = self.tokenize_prompt(ids, "messages")
+        ids = await self.chat_prompt_ids(request, validate=True)
         self.check_length(len(ids), params.max_tokens, "messages",
                           "max_completion_tokens" if request.max_completion_tokens is not None
                           else "max_tokens")

@@ -31,7 +31,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_engine()
         self.check_n(request.n)
         params = self.sampling_params(request)
-        prompts = [self.tokenize_prompt(p, "prompt") for p in request.prompts()]
+        prompts = await self.tokenize_prompts(request.prompts(), "prompt")
         for _, ids in prompts:
             self.check_length(len(ids), params.max_tokens, "prompt")
         run = _CompletionRun(self, request, params, model, prompts)

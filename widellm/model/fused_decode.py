@@ -7,15 +7,15 @@ kernels' layer stacks, which run the layers' kernels and torch ops in the order 
 modules run them, so the results are the same bit for bit:
 
 * :class:`LlamaFusedDecode` -> ``llama_decode_layers`` (``ops/cpu/decoder_layers.cpp``):
-  Llama / Qwen2 layers (grouped-query attention, SwiGLU MLP), bf16 or fp32;
-* :class:`DeepseekFusedDecode` -> ``deepseek_decode_layers``
-  (``ops/cpu/deepseek_decode_layers.cpp``): DeepSeek-V2/V3 layers (MLA through the AMX MLA
-  kernel; dense MLP or MoE with local experts through ``fused_experts``), bf16.
+  Llama / Qwen2 layers (grouped-query attention, SwiGLU MLP), bf16 or fp32.
+
+There is no DeepSeek stack: the one it had ran only on AMX machines (never on CI's AVX2 CPUs)
+and carried a second hand-written copy of the DeepSeek layer and of the router, so DeepSeek
+decodes run their layers' forwards and route through ``layers/moe/router.py`` alone.
 
 Prompts, mixed and padded batches, and models or set-ups a stack does not cover (other layer
 types, other dtypes, expert parallelism, EPLB, the step-time breakdown) take the layers' own
-forwards:
-the reference twin (``WIDELLM_CPU_FUSED_DECODE=0`` forces it).
+forwards: the reference twin (``WIDELLM_CPU_FUSED_DECODE=0`` forces it).
 """
 
 from __future__ import annotations
@@ -30,10 +30,6 @@ from widellm.forward_context import ForwardContext
 from widellm.layers.activation import SiluAndMul
 from widellm.layers.attention import Attention
 from widellm.layers.linear import PackedLinear
-from widellm.layers.moe.dispatch import LocalDispatcher
-from widellm.layers.moe.experts import DOT_KERNEL_MAX_ROWS_PER_EXPERT
-from widellm.layers.moe.router import RENORM_EPS
-from widellm.model.deepseek import DeepseekMLAAttention, DeepseekMoE
 from widellm.model.llama import DecoderLayer, DecoderModel, LlamaAttention, LlamaMLP
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
@@ -155,123 +151,7 @@ class LlamaFusedDecode(FusedDecode):
         ))
 
 
-def _linear_slots(name: str, linear: nn.Module | None) -> dict[str, torch.Tensor | None]:
-    if linear is None:
-        return {name: None, name + "_bias": None}
-    return {name: linear.packed_weight, name + "_bias": linear.bias}
-
-
-class DeepseekFusedDecode(FusedDecode):
-    # One layer's weights in the order of deepseek_decode_layers.cpp's Slot enum.
-    SLOTS = ("input_norm", "post_norm", "q_proj", "q_proj_bias", "q_a", "q_a_bias", "q_a_norm",
-             "q_b", "q_b_bias", "kv_a", "kv_a_bias", "kv_a_norm", "w_uk", "w_uv_t", "o",
-             "o_bias", "gate_up", "down", "router", "router_bias", "w13", "w2")
-
-    def __init__(self, layers: list[DecoderLayer], kernels) -> None:
-        self._kernels = kernels
-        attn0 = layers[0].self_attn
-        self._mla = [layer.self_attn.mla for layer in layers]
-        self._rotary = attn0.rotary_emb
-        self._layers = [self._slots(layer) for layer in layers]
-        mla = attn0.mla
-        self._shape = (mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
-                       mla.kv_lora_rank, mla.scale, layers[0].input_layernorm.variance_epsilon)
-        moes = [m.experts for m in (getattr(x, x.mlp_name) for x in layers)
-                if type(m) is DeepseekMoE]
-        self._routing = self._max_rows = None
-        if moes:
-            r, e = moes[0].routing, moes[0]
-            self._routing = (e.top_k, r.scoring_func == "sigmoid", r.renormalize,
-                             r.num_expert_group or 0, r.topk_group or 0,
-                             r.group_score == "top2_sum", r.routed_scaling_factor, RENORM_EPS)
-            # fused_experts' dot-product path runs decode-sized batches only (experts.py).
-            backend = kernels.fused_experts_backend(e.hidden_size, e.intermediate_size)
-            self._max_rows = (None if backend == "amx"
-                              else DOT_KERNEL_MAX_ROWS_PER_EXPERT * e.num_local_experts)
-
-    @staticmethod
-    def _slots(layer: DecoderLayer) -> list[torch.Tensor | None]:
-        attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
-        q_lora = attn.q_lora_rank is not None
-        slots = {
-            "input_norm": layer.input_layernorm.weight,
-            "post_norm": layer.post_attention_layernorm.weight,
-            **_linear_slots("q_proj", None if q_lora else attn.q_proj),
-            **_linear_slots("q_a", attn.q_a_proj if q_lora else None),
-            "q_a_norm": attn.q_a_layernorm.weight if q_lora else None,
-            **_linear_slots("q_b", attn.q_b_proj if q_lora else None),
-            **_linear_slots("kv_a", attn.kv_a_proj_with_mqa),
-            "kv_a_norm": attn.kv_a_layernorm.weight,
-            "w_uk": attn.mla.w_uk, "w_uv_t": attn.mla.w_uv_t,
-            **_linear_slots("o", attn.o_proj),
-        }
-        dense = mlp if type(mlp) is LlamaMLP else mlp.shared_experts
-        slots["gate_up"] = dense.gate_up_proj.packed_weight if dense is not None else None
-        slots["down"] = dense.down_proj.packed_weight if dense is not None else None
-        moe = type(mlp) is DeepseekMoE
-        slots["router"] = mlp.gate.weight if moe else None
-        slots["router_bias"] = mlp.gate.e_score_correction_bias if moe else None
-        slots["w13"] = mlp.experts.w13_weight if moe else None
-        slots["w2"] = mlp.experts.w2_weight if moe else None
-        return [slots[name] for name in DeepseekFusedDecode.SLOTS]
-
-    @staticmethod
-    def _covers(layer: nn.Module) -> bool:
-        if type(layer) is not DecoderLayer or type(layer.self_attn) is not DeepseekMLAAttention:
-            return False
-        attn, mlp = layer.self_attn, getattr(layer, layer.mlp_name)
-        q_lora = attn.q_lora_rank is not None
-        norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
-        norms += [attn.q_a_layernorm] if q_lora else []
-        attention_ok = (
-            _packed(*((attn.q_a_proj, attn.q_b_proj) if q_lora else (attn.q_proj,)),
-                    attn.kv_a_proj_with_mqa, attn.o_proj)
-            and _norms_in(DeepseekFusedDecode.DTYPES, *norms) and attn.mla.w_uk is not None
-            and attn.mla.w_uk.dtype == torch.bfloat16
-            and attn.rotary_emb.rotary_dim == attn.qk_rope_head_dim)
-        if type(mlp) is LlamaMLP:
-            return attention_ok and _swiglu(mlp)
-        if type(mlp) is not DeepseekMoE:
-            return False
-        experts = mlp.experts
-        # No EPLB placement (which also records the expert load) and every expert local.
-        local = (type(experts.dispatcher) is LocalDispatcher and experts.placement is None
-                 and torch.equal(experts.dispatcher.expert_map,
-                                 torch.arange(experts.num_experts)))
-        return (attention_ok and local and experts.w13_weight.dtype == torch.bfloat16
-                and (mlp.shared_experts is None or _swiglu(mlp.shared_experts)))
-
-    @classmethod
-    def build(cls, layers: nn.ModuleList, kernels) -> DeepseekFusedDecode | None:
-        if not all(cls._covers(layer) for layer in layers):
-            return None
-        if len({layer.input_layernorm.variance_epsilon for layer in layers}) != 1:
-            return None
-        moe_layers = [x for x in layers if type(getattr(x, x.mlp_name)) is DeepseekMoE]
-        if moe_layers:
-            e0 = getattr(moe_layers[0], moe_layers[0].mlp_name).experts
-            if kernels.fused_experts_backend(e0.hidden_size, e0.intermediate_size) == "none":
-                return None
-        return cls(list(layers), kernels)
-
-    def applies(self, ctx, x):
-        # The MoE layers time their phases when the step breakdown is collected.
-        rows = x.shape[0] * (self._routing[0] if self._routing else 0)
-        return (super().applies(ctx, x) and ctx.step_timer is None
-                and (self._max_rows is None or rows <= self._max_rows))
-
-    def __call__(self, ctx, positions, x):
-        md = ctx.attn_metadata
-        routing = self._routing or (0, False, False, 0, 0, False, 1.0, RENORM_EPS)
-        return tuple(self._kernels.deepseek_decode_layers(
-            x, positions, md.slot_mapping, md.decode_block_table, md.decode_seq_lens,
-            self._layers, [m.kv_cache for m in self._mla], self._rotary.cos_cache,
-            self._rotary.sin_cache, self._rotary.style == "interleaved", *self._shape,
-            *routing,
-        ))
-
-
-FUSED_DECODE_STACKS: tuple[type[FusedDecode], ...] = (LlamaFusedDecode, DeepseekFusedDecode)
+FUSED_DECODE_STACKS: tuple[type[FusedDecode], ...] = (LlamaFusedDecode,)
 
 
 def enable_fused_decode(model: nn.Module) -> bool:

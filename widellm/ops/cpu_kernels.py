@@ -35,8 +35,7 @@ SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = (
     "bindings.cpp", "paged_attention.cpp", "paged_attention_bf16.cpp", "elementwise.cpp",
     "mla_decode.cpp", "prefill_attention.cpp", "prefill_attention_bf16.cpp",
-    "prefill_attention_fp32.cpp", "moe.cpp", "decoder_layers.cpp", "deepseek_decode_layers.cpp",
-    "kv_store.cpp",
+    "prefill_attention_fp32.cpp", "moe.cpp", "decoder_layers.cpp", "kv_store.cpp",
 )
 ENV_DISABLE = "WIDELLM_CPU_KERNELS"
 # The -march the kernels are built for. native: AVX-512 (and AMX) intrinsics where this CPU has

@@ -58,7 +58,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("llama_decode_layers", &llama_decode_layers, ReleaseGil(),
         "Llama-family decoder layers over a decode-only batch in one call (CPU, packed "
         "linears); returns (output, residual)");
-  m.def("deepseek_decode_layers", &deepseek_decode_layers, ReleaseGil(),
-        "DeepSeek-V2/V3 decoder layers (MLA, dense or local-expert MoE) over a decode-only "
-        "batch in one call (CPU, bf16); returns (output, residual)");
 }

@@ -1,4 +1,4 @@
-// Helpers of the one-call decode paths (decoder_layers.cpp, deepseek_decode_layers.cpp).
+// Helpers of the one-call decode path (decoder_layers.cpp) and the KV store (kv_store.cpp).
 #pragma once
 
 #include <torch/types.h>

@@ -1,5 +1,5 @@
 // The kernels' entry points, as the Python module exposes them (bindings.cpp) and as the
-// one-call decode stacks (decoder_layers.cpp, deepseek_decode_layers.cpp) call them.
+// one-call decode stack (decoder_layers.cpp) calls them.
 #pragma once
 
 #include <torch/types.h>
@@ -48,12 +48,3 @@ std::vector<torch::Tensor> llama_decode_layers(
     std::vector<torch::Tensor> kv_caches, torch::Tensor cos, torch::Tensor sin,
     bool interleaved, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
     double eps);
-std::vector<torch::Tensor> deepseek_decode_layers(
-    torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
-    torch::Tensor block_table, torch::Tensor seq_lens,
-    std::vector<std::vector<c10::optional<torch::Tensor>>> layers,
-    std::vector<torch::Tensor> caches, torch::Tensor cos, torch::Tensor sin, bool interleaved,
-    int64_t num_heads, int64_t qk_nope_head_dim, int64_t qk_rope_head_dim, int64_t v_head_dim,
-    int64_t kv_lora_rank, double scale, double eps, int64_t top_k, bool sigmoid,
-    bool renormalize, int64_t num_expert_group, int64_t topk_group, bool group_top2,
-    double routed_scaling_factor, double renorm_eps);

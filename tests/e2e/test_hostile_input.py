@@ -1,0 +1,386 @@
+"""Hostile input through a live ``widellm serve``, sent as a client would: every input gets
+its exact 4xx naming the field, while ``/health`` keeps answering within a second, a
+concurrent stream keeps producing tokens, and the API server's memory comes back afterwards.
+
+Background threads poll ``/health`` and keep a streaming completion running for the whole
+module; each test measures them over the window in which it sends its input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import math
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import httpx
+import pytest
+
+from tests.e2e.test_api_server import MAX_MODEL_LEN, PROMPT, ServerProcess
+from widellm.engine.tokenizer import get_tokenizer
+from widellm.entrypoints.server_args import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+MODEL_ARCH = "LlamaForCausalLM"
+LIMIT = DEFAULT_MAX_REQUEST_BODY_BYTES  # the server runs with the default
+# What the issue measured: a 50 MB body froze the server for 42.7 s.
+HUGE_BODY_BYTES = 50 * 1000 * 1000
+HEALTH_BUDGET_S = 1.0
+STREAM_GAP_BUDGET_S = 2.0
+RSS_GROWTH_BUDGET_BYTES = 200 * 1000 * 1000
+# Refusing by length is a parse and a comparison; tokenizing 4 M characters takes seconds.
+FAST_S = 1.0
+# How long each window stays open after its request, so a stall it caused would be seen.
+WINDOW_TAIL_S = 0.3
+HEALTH_POLL_S = 0.05
+CLIENT_TIMEOUT_S = 60.0
+CHUNK_BYTES = 64 << 10
+STREAM_MAX_TOKENS = 400  # a few seconds per stream, well inside MAX_MODEL_LEN
+RSS_REPEATS = 3
+KIB = 1024
+# Two nested loops of a million: rendered, this would run for hours.
+NESTED_LOOPS = ("{% for a in range(1000000) %}{% for b in range(1000000) %}x"
+                "{% endfor %}{% endfor %}")
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@dataclass
+class Window:
+    max_health_s: float = 0.0
+    max_gap_s: float = 0.0
+    health_answers: int = 0
+    chunks: int = 0
+
+    def assert_flowing(self) -> None:
+        assert self.health_answers >= 1 and self.chunks >= 1, self
+        assert self.max_health_s < HEALTH_BUDGET_S, self
+        assert self.max_gap_s < STREAM_GAP_BUDGET_S, self
+
+
+class FlowMonitor:
+    """/health polled and one streaming completion always running (the next one starts as
+    each ends), each in its own thread; ``window()`` reports the slowest health answer and
+    the longest wait for a stream chunk (the first chunk of each stream included)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.window_state = Window()
+        self.health_since: float | None = None  # start of the poll in flight
+        self.last_chunk = time.monotonic()
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._recording, args=(work,), daemon=True)
+                        for work in (self._poll_health, self._stream)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(CLIENT_TIMEOUT_S)
+
+    def _recording(self, work) -> None:
+        try:
+            work()
+        except Exception as e:  # a failed poll or stream fails the next window
+            with self.lock:
+                self.errors.append(f"{work.__name__}: {e!r}")
+
+    def _poll_health(self) -> None:
+        with httpx.Client(timeout=CLIENT_TIMEOUT_S) as client:
+            while not self.stopping.is_set():
+                start = time.monotonic()
+                with self.lock:
+                    self.health_since = start
+                status = client.get(self.url + "/health").status_code
+                with self.lock:
+                    self.health_since = None
+                    w = self.window_state
+                    w.max_health_s = max(w.max_health_s, time.monotonic() - start)
+                    w.health_answers += 1
+                    if status != 200:
+                        self.errors.append(f"/health answered {status}")
+                time.sleep(HEALTH_POLL_S)
+
+    def _chunk(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            w = self.window_state
+            w.max_gap_s = max(w.max_gap_s, now - self.last_chunk)
+            w.chunks += 1
+            self.last_chunk = now
+
+    def _stream(self) -> None:
+        body = {"prompt": PROMPT, "max_tokens": STREAM_MAX_TOKENS, "ignore_eos": True,
+                "temperature": 0.0, "stream": True}
+        with httpx.Client(timeout=CLIENT_TIMEOUT_S) as client:
+            while not self.stopping.is_set():
+                with client.stream("POST", self.url + COMPLETIONS, json=body) as response:
+                    if response.status_code != 200:
+                        self.errors.append(f"stream answered {response.status_code}")
+                        return
+                    for line in response.iter_lines():
+                        if line.startswith("data:"):
+                            self._chunk()
+                        if self.stopping.is_set():
+                            return
+
+    @contextlib.contextmanager
+    def window(self):
+        with self.lock:
+            self.window_state = Window()
+            window = self.window_state
+        yield window
+        time.sleep(WINDOW_TAIL_S)
+        now = time.monotonic()
+        with self.lock:  # waits still under way count too
+            window.max_gap_s = max(window.max_gap_s, now - self.last_chunk)
+            if self.health_since is not None:
+                window.max_health_s = max(window.max_health_s, now - self.health_since)
+            assert not self.errors, self.errors
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * KIB
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("hostile") / "server.log"
+    with mock.patch.dict(os.environ, {"WIDELLM_CPU_KERNELS": "0"}):
+        server = ServerProcess(model_dir(MODEL_ARCH), log, [])
+    try:
+        server.wait_ready()
+        # Warm up what a first request loads lazily, so the RSS baseline is steady.
+        for path, body in ((COMPLETIONS, {"prompt": PROMPT, "max_tokens": 2}),
+                           (CHAT, {"messages": MESSAGES, "max_tokens": 2})):
+            assert httpx.post(server.url + path, json=body,
+                              timeout=CLIENT_TIMEOUT_S).status_code == 200
+        server.baseline_rss = _rss_bytes(server.proc.pid)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def monitor(server):
+    flow = FlowMonitor(server.url)
+    flow.start()
+    yield flow
+    flow.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return get_tokenizer(model_dir(MODEL_ARCH))
+
+
+@pytest.fixture(scope="module")
+def longest_token(tokenizer) -> int:
+    """Characters of the longest vocabulary string (the tiny tokenizer has no normalizer)."""
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+def _assert_error(response: httpx.Response | tuple[int, dict], status: int,
+                  param: str | None) -> str:
+    code, body = ((response.status_code, response.json())
+                  if isinstance(response, httpx.Response) else response)
+    assert code == status, body
+    error = body["error"]
+    assert (error["param"], error["code"]) == (param, status), error
+    return error["message"]
+
+
+def _raw_request(server, head: str, body: bytes = b"") -> tuple[int, dict]:
+    """One request on a bare socket (headers exactly as given); its status and JSON body."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=CLIENT_TIMEOUT_S) as s:
+        s.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  f"Content-Type: application/json\r\n{head}\r\n".encode() + body)
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        return response.status, json.loads(response.read())
+
+
+def _body_of_size(make, size: int) -> bytes:
+    """``make(n)`` as JSON, ``n`` chosen so the body is one byte under ``size`` (``make``
+    adds one ASCII character per unit of ``n``)."""
+    overhead = len(json.dumps(make(0)).encode())
+    body = json.dumps(make(size - 1 - overhead)).encode()
+    assert len(body) == size - 1
+    return body
+
+
+# ---- body size -------------------------------------------------------------------------------
+
+def test_a_50_mb_body_is_refused_with_413(server, monitor):
+    body = json.dumps({"prompt": "a" * HUGE_BODY_BYTES}).encode()
+    with monitor.window() as window:
+        response = httpx.post(server.url + COMPLETIONS, content=body, timeout=CLIENT_TIMEOUT_S,
+                              headers={"Content-Type": "application/json"})
+    message = _assert_error(response, 413, None)
+    assert message == (f"request body too large: its Content-Length is {len(body)} bytes, "
+                       f"more than this server's limit of {LIMIT} bytes "
+                       f"(--max-request-body-bytes)")
+    assert response.json()["error"]["type"] == "APIStatusError"
+    window.assert_flowing()
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_is_read(server, monitor):
+    sent = []
+
+    def pieces():  # no Content-Length: httpx sends it chunked
+        yield b'{"prompt": "'
+        for _ in range(HUGE_BODY_BYTES // CHUNK_BYTES):
+            sent.append(CHUNK_BYTES)
+            yield b"a" * CHUNK_BYTES
+
+    with monitor.window() as window:
+        response = httpx.post(server.url + COMPLETIONS, content=pieces(),
+                              timeout=CLIENT_TIMEOUT_S)
+    message = _assert_error(response, 413, None)
+    assert message == (f"request body too large: it is longer than this server's limit of "
+                       f"{LIMIT} bytes (--max-request-body-bytes)")
+    assert response.headers["connection"] == "close"
+    assert sum(sent) < HUGE_BODY_BYTES  # refused part-way: the rest was never sent
+    window.assert_flowing()
+
+
+def test_a_content_length_over_the_limit_is_refused_before_the_body_arrives(server, monitor):
+    with monitor.window() as window:  # no body byte is ever sent: the answer cannot wait
+        status, body = _raw_request(server, f"Content-Length: {HUGE_BODY_BYTES}\r\n")
+    _assert_error((status, body), 413, None)
+    assert f"its Content-Length is {HUGE_BODY_BYTES} bytes" in body["error"]["message"]
+    window.assert_flowing()
+
+
+def test_a_content_length_shorter_than_the_body_reads_only_what_it_declares(server, monitor):
+    body = json.dumps({"prompt": "a" * CHUNK_BYTES}).encode()
+    declared = len(b'{"prompt": "aaaa')
+    with monitor.window() as window:
+        status, error = _raw_request(server, f"Content-Length: {declared}\r\n", body)
+    message = _assert_error((status, error), 400, None)
+    assert message.startswith("malformed JSON body")
+    window.assert_flowing()
+
+
+# ---- lengths -------------------------------------------------------------------------------------
+
+def _expected_length_error(param: str, chars: int, longest: int) -> str:
+    return (f"{param}: {chars} characters are at least {math.ceil(chars / longest)} tokens "
+            f"(no token of this tokenizer covers more than {longest} characters), more than "
+            f"max_model_len={MAX_MODEL_LEN}")
+
+
+def test_a_prompt_just_under_the_body_limit_is_refused_by_length_fast(server, monitor,
+                                                                    longest_token):
+    body = _body_of_size(lambda n: {"prompt": "a" * n}, LIMIT)
+    chars = len(json.loads(body)["prompt"])
+    with monitor.window() as window:
+        start = time.monotonic()
+        response = httpx.post(server.url + COMPLETIONS, content=body, timeout=CLIENT_TIMEOUT_S,
+                              headers={"Content-Type": "application/json"})
+        elapsed = time.monotonic() - start
+    assert _assert_error(response, 400, "prompt") == _expected_length_error(
+        "prompt", chars, longest_token)
+    assert elapsed < FAST_S
+    window.assert_flowing()
+
+
+def test_chat_content_just_under_the_body_limit_is_refused_by_length(server, monitor,
+                                                                   longest_token, tokenizer):
+    def make(n):
+        return {"messages": [{"role": "user", "content": "a" * n}]}
+
+    body = _body_of_size(make, LIMIT)
+    messages = json.loads(body)["messages"]
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    with monitor.window() as window:
+        start = time.monotonic()
+        response = httpx.post(server.url + CHAT, content=body, timeout=CLIENT_TIMEOUT_S,
+                              headers={"Content-Type": "application/json"})
+        elapsed = time.monotonic() - start
+    assert _assert_error(response, 400, "messages") == _expected_length_error(
+        "messages", len(rendered), longest_token)
+    assert elapsed < FAST_S
+    window.assert_flowing()
+
+
+def test_tokenize_refuses_text_that_cannot_fit(server, monitor, longest_token, tokenizer):
+    chars = MAX_MODEL_LEN * longest_token + 1  # the shortest text that cannot fit
+    with monitor.window() as window:
+        response = httpx.post(server.url + "/tokenize", json={"prompt": "a" * chars},
+                              timeout=CLIENT_TIMEOUT_S)
+        fits = httpx.post(server.url + "/tokenize", json={"prompt": "a" * (chars - 1)},
+                          timeout=CLIENT_TIMEOUT_S)
+    assert _assert_error(response, 400, "prompt") == _expected_length_error(
+        "prompt", chars, longest_token)
+    assert fits.status_code == 200
+    assert fits.json()["tokens"] == tokenizer("a" * (chars - 1)).input_ids
+    window.assert_flowing()
+
+
+# ---- chat templates and values ----------------------------------------------------------------
+
+HOSTILE_BODIES = {
+    "request chat_template": (CHAT, {"messages": MESSAGES, "chat_template": NESTED_LOOPS},
+                              "chat_template"),
+    "chat_template in chat_template_kwargs": (
+        CHAT, {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": NESTED_LOOPS}},
+        "chat_template_kwargs"),
+    "tokenize chat_template": ("/tokenize", {"messages": MESSAGES, "chat_template": NESTED_LOOPS},
+                               "chat_template"),
+    "lone surrogate": (COMPLETIONS, b'{"prompt": "a\\ud800b"}', "prompt"),
+    "seed beyond 64 bits": (COMPLETIONS, {"prompt": "hi", "seed": 2 ** 64}, "seed"),
+    "top_k beyond 64 bits": (COMPLETIONS, {"prompt": "hi", "top_k": 2 ** 70}, "top_k"),
+    "stop_token_ids beyond 64 bits": (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [2 ** 64]},
+                                      "stop_token_ids"),
+    "NaN temperature": (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_BODIES))
+def test_hostile_values_get_a_400_naming_the_field(server, monitor, case):
+    path, body, param = HOSTILE_BODIES[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with monitor.window() as window:
+        start = time.monotonic()
+        response = httpx.post(server.url + path, content=content, timeout=CLIENT_TIMEOUT_S,
+                              headers={"Content-Type": "application/json"})
+        elapsed = time.monotonic() - start
+    message = _assert_error(response, 400, param)
+    assert elapsed < FAST_S
+    if "chat_template" in case:
+        where = "chat_template" if param == "chat_template" else "chat_template_kwargs."
+        assert message.startswith(where)
+        assert "--trust-request-chat-template" in message
+    window.assert_flowing()
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+def test_api_server_rss_comes_back_after_the_big_inputs(server, monitor):
+    huge = json.dumps({"prompt": "a" * HUGE_BODY_BYTES}).encode()
+    under = _body_of_size(lambda n: {"prompt": "a" * n}, LIMIT)
+    headers = {"Content-Type": "application/json"}
+    for _ in range(RSS_REPEATS):
+        for body, status in ((huge, 413), (under, 400)):
+            response = httpx.post(server.url + COMPLETIONS, content=body, headers=headers,
+                                  timeout=CLIENT_TIMEOUT_S)
+            assert response.status_code == status
+    growth = _rss_bytes(server.proc.pid) - server.baseline_rss
+    assert growth < RSS_GROWTH_BUDGET_BYTES, f"API server RSS grew by {growth} bytes"
