@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import widellm
 from widellm.engine.tokenizer import get_tokenizer
+from widellm.worker.model_runner import TEST_STEP_SLEEP_ENV
 
 MODEL_ARCH = "LlamaForCausalLM"
 SERVED_NAME = "tiny-llama"
@@ -39,6 +40,7 @@ DEATH_TIMEOUT_S = 10.0
 POLL_S = 0.1
 # Long enough that a request is still generating when the test cuts it off.
 LONG_MAX_TOKENS = 400
+KEYED_STEP_SLEEP_S = 0.02  # 400 slowed steps take 8 s, far longer than the death test waits
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0.0}
@@ -68,7 +70,8 @@ class ServerProcess:
     """``python -m widellm.entrypoints.cli serve`` in its own session (so the engine core it
     spawns can be killed with it), logging to a file."""
 
-    def __init__(self, model: str, log_path: Path, extra_args: list[str]) -> None:
+    def __init__(self, model: str, log_path: Path, extra_args: list[str],
+                 env: dict[str, str] | None = None) -> None:
         # Port 0: the server binds a free port itself and logs it, so no other process can
         # take the port between choosing and binding it. ``wait_ready`` sets the real ones.
         self.port = 0
@@ -80,6 +83,7 @@ class ServerProcess:
              "--port", "0", "--max-n", str(MAX_N), "--disable-uvicorn-access-log",
              *ENGINE_FLAGS, *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
 
     def log(self) -> str:
@@ -122,9 +126,10 @@ class ServerProcess:
         self._log.close()
 
 
-def _start(model_dir, tmp_path_factory, name: str, extra_args: list[str]):
+def _start(model_dir, tmp_path_factory, name: str, extra_args: list[str],
+           env: dict[str, str] | None = None):
     server = ServerProcess(model_dir(MODEL_ARCH), tmp_path_factory.mktemp(name) / "server.log",
-                           extra_args)
+                           extra_args, env)
     try:
         server.wait_ready()
         yield server
@@ -139,8 +144,11 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keyed_server(model_dir, tmp_path_factory):
-    """A second instance behind --api-key; the engine-death test kills its core."""
-    yield from _start(model_dir, tmp_path_factory, "keyed", ["--api-key", API_KEY])
+    """A second instance behind --api-key; the engine-death test kills its core. Its steps are
+    slowed (test-only hook) so that test's two requests are surely still running when the core
+    dies: unslowed, the tiny model finishes 400 tokens in well under a second."""
+    yield from _start(model_dir, tmp_path_factory, "keyed", ["--api-key", API_KEY],
+                      {TEST_STEP_SLEEP_ENV: str(KEYED_STEP_SLEEP_S)})
 
 
 @pytest.fixture(scope="module")
