@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import widellm
 from widellm.engine.tokenizer import get_tokenizer
+from widellm.entrypoints.serving_base import DATA_PARALLEL_RANK_HEADER
 from widellm.worker.model_runner import TEST_STEP_SLEEP_ENV
 
 MODEL_ARCH = "LlamaForCausalLM"
@@ -401,6 +402,23 @@ def _hits_of(server, send) -> float:
     before = _metric(_metrics(server), HITS)
     send()
     return _metric(_metrics(server), HITS) - before
+
+
+@pytest.mark.parametrize("value,status", [("0", 200), ("1", 400), ("-1", 400), ("r0", 400)])
+def test_data_parallel_rank_header_pins_or_is_refused(server, value, status):
+    """X-data-parallel-rank pins a request to a rank; this DP1 server has only rank 0, so
+    every other value is a 400 naming the header (never silently ignored)."""
+    body = {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}
+    r = httpx.post(server.url + COMPLETIONS, json=body, timeout=REQUEST_TIMEOUT_S,
+                   headers={DATA_PARALLEL_RANK_HEADER: value})
+    assert r.status_code == status, r.text
+    if status == 200:
+        assert r.json()["usage"]["completion_tokens"] == 2
+    else:
+        error = r.json()["error"]
+        assert error["param"] == DATA_PARALLEL_RANK_HEADER
+        assert error["message"].startswith(DATA_PARALLEL_RANK_HEADER + ": ")
+        assert ("integer" if value == "r0" else "[0, 1)") in error["message"]
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])

@@ -1,7 +1,7 @@
 """``--seed`` reaches every engine core, and the local ranks of one host share one KV budget.
 
-Seeds: fresh servers (and fresh DP2 deployments, with a request pinned to each rank) started
-with the same --seed give the same unseeded temperature-1 text; another seed, or another rank,
+Seeds: fresh servers (and fresh DP2 servers, with a request pinned to each rank by the
+X-data-parallel-rank header) started with the same --seed give the same unseeded temperature-1 text; another seed, or another rank,
 gives other text. KV budget: at DP2 and DP4 the KV pools the ranks log add up to the one
 budget the launcher logs (fraction x the host's MemAvailable, read once), chosen small enough
 that the budget, not max_num_seqs x max_model_len, sizes the pools.
@@ -19,6 +19,7 @@ import pytest
 
 from tests.e2e.test_api_server import PROMPT, ServerProcess
 from widellm.engine.llm import LLM
+from widellm.entrypoints.serving_base import DATA_PARALLEL_RANK_HEADER
 from widellm.sampling_params import SamplingParams
 
 MODEL_ARCH = "LlamaForCausalLM"
@@ -34,9 +35,11 @@ DP_ENGINE_KWARGS = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN,
                     "max_num_batched_tokens": 256, "num_kv_blocks": 128}
 
 
-def _sampled_text(server: ServerProcess) -> str:
+def _sampled_text(server: ServerProcess, rank: int | None = None) -> str:
     body = {"model": server.model_name, "prompt": PROMPT, **SAMPLED}
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+    headers = {} if rank is None else {DATA_PARALLEL_RANK_HEADER: str(rank)}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=headers,
+                   timeout=REQUEST_TIMEOUT_S)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -62,25 +65,41 @@ def test_fresh_servers_with_one_seed_sample_the_same_text(model_dir, tmp_path):
     assert other[0] != first[0] and other[1] != first[1]
 
 
-def _dp2_texts(model_dir, seed: int) -> list[str]:
-    """One sampled text from each rank of a fresh DP2 deployment, pinned to the rank."""
-    llm = LLM(model_dir(MODEL_ARCH), seed=seed, data_parallel_size=2, **DP_ENGINE_KWARGS)
+def _dp2_texts(model_dir, tmp_path, seed: int, name: str) -> list[str]:
+    """One sampled text from each rank of a fresh DP2 server, pinned by the rank header."""
+    server = ServerProcess(model_dir(MODEL_ARCH), tmp_path / f"{name}.log",
+                           ["--seed", str(seed), "--data-parallel-size", "2"])
+    server.model_name = model_dir(MODEL_ARCH)
     try:
-        params = SamplingParams(**SAMPLED)
-        outs = llm.generate([PROMPT, PROMPT], [params, params], data_parallel_rank=[0, 1])
-        return [o.outputs[0].text for o in outs]
+        server.wait_ready()
+        return [_sampled_text(server, rank) for rank in range(2)]
     finally:
-        llm.shutdown()
+        server.stop()
 
 
 @pytest.mark.timeout(600)
-def test_dp2_ranks_draw_distinct_reproducible_streams(model_dir):
-    first = _dp2_texts(model_dir, 7)
-    again = _dp2_texts(model_dir, 7)
-    other = _dp2_texts(model_dir, 8)
+def test_dp2_ranks_draw_distinct_reproducible_streams(model_dir, tmp_path):
+    first = _dp2_texts(model_dir, tmp_path, 7, "dp2-seed7a")
+    again = _dp2_texts(model_dir, tmp_path, 7, "dp2-seed7b")
+    other = _dp2_texts(model_dir, tmp_path, 8, "dp2-seed8")
     assert first == again
     assert first[0] != first[1]  # rank 0 and rank 1 do not share a stream
     assert other[0] != first[0] and other[1] != first[1]
+
+
+@pytest.mark.timeout(600)
+def test_offline_dp2_ranks_follow_the_seed(model_dir):
+    """``LLM(seed=...)`` seeds every rank of an offline deployment the same way."""
+    params = SamplingParams(**SAMPLED)
+    texts = []
+    for _ in range(2):
+        llm = LLM(model_dir(MODEL_ARCH), seed=7, data_parallel_size=2, **DP_ENGINE_KWARGS)
+        try:
+            outs = llm.generate([PROMPT, PROMPT], [params, params], data_parallel_rank=[0, 1])
+            texts.append([o.outputs[0].text for o in outs])
+        finally:
+            llm.shutdown()
+    assert texts[0] == texts[1] and texts[0][0] != texts[0][1]
 
 
 # ---- one KV budget per host --------------------------------------------------------------------
@@ -98,6 +117,7 @@ _LAUNCH = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s frontend: %(message)s")
 from widellm.engine.llm import LLM
+from widellm.entrypoints.serving_base import DATA_PARALLEL_RANK_HEADER
 llm = LLM(sys.argv[1], data_parallel_size=int(sys.argv[2]), kv_cache_memory_fraction=float(
     sys.argv[3]), dtype="float32", max_model_len=512, max_num_batched_tokens=256)
 llm.shutdown()

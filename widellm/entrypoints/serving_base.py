@@ -20,6 +20,7 @@ from http import HTTPStatus
 from typing import Any
 
 from jinja2 import TemplateError
+from starlette.requests import Request
 
 from widellm.engine.async_llm import AsyncLLM
 from widellm.entrypoints.errors import APIError
@@ -30,6 +31,9 @@ from widellm.sampling_params import SamplingParams
 # Threads an app tokenizes and renders chat templates on. HF tokenizers release the GIL while
 # encoding, so this many prompts tokenize at once; more would only take cores from the engine.
 MAX_TOKENIZER_THREADS = 4
+# The header that pins a request to one data-parallel rank (vLLM's name), for routers that
+# place requests themselves (prefix-aware, disaggregated) and for tests.
+DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
 
 
 def random_uuid() -> str:
@@ -82,6 +86,24 @@ class OpenAIServing:
         if n > self.max_n:
             raise APIError(f"n must be <= {self.max_n} (the server's --max-n), got {n}",
                            HTTPStatus.BAD_REQUEST, "n")
+
+    def data_parallel_rank(self, raw_request: Request) -> int | None:
+        """The rank the request's ``X-data-parallel-rank`` header pins it to (None: the
+        balancer picks); a rank that is not an integer or does not exist is a 400."""
+        value = raw_request.headers.get(DATA_PARALLEL_RANK_HEADER)
+        if value is None:
+            return None
+        try:
+            rank = int(value)
+        except ValueError:
+            raise APIError(f"{DATA_PARALLEL_RANK_HEADER}: must be an integer, got {value!r}",
+                           HTTPStatus.BAD_REQUEST, DATA_PARALLEL_RANK_HEADER) from None
+        try:
+            self.engine.client.check_rank(rank)
+        except ValueError as e:
+            raise APIError(f"{DATA_PARALLEL_RANK_HEADER}: {e}", HTTPStatus.BAD_REQUEST,
+                           DATA_PARALLEL_RANK_HEADER) from None
+        return rank
 
     def sampling_params(self, request: Any) -> SamplingParams:
         try:

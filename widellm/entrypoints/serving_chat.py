@@ -33,12 +33,13 @@ class OpenAIServingChat(OpenAIServing):
         model = self.model_name(request.model)
         self.check_engine()
         self.check_n(request.n)
+        rank = self.data_parallel_rank(raw_request)
         params = self.sampling_params(request)
         ids = await self.chat_prompt_ids(request, validate=True)
         self.check_length(len(ids), params.max_tokens, "messages",
                           "max_completion_tokens" if request.max_completion_tokens is not None
                           else "max_tokens")
-        run = _ChatRun(self, request, params, model, ids)
+        run = _ChatRun(self, request, params, model, ids, rank)
         if request.stream:
             return sse_response(run.stream())
         completed, response = await run_unless_disconnected(run.collect(), raw_request)
@@ -69,8 +70,10 @@ class _ChatRun:
     """One chat request: its engine request and the ``n`` choices it feeds."""
 
     def __init__(self, serving: OpenAIServingChat, request: ChatCompletionRequest,
-                 params: SamplingParams, model: str, prompt_ids: list[int]) -> None:
+                 params: SamplingParams, model: str, prompt_ids: list[int],
+                 data_parallel_rank: int | None) -> None:
         self.serving = serving
+        self.data_parallel_rank = data_parallel_rank
         self.request = request
         self.params = params
         self.model = model
@@ -83,7 +86,8 @@ class _ChatRun:
     async def _samples(self) -> AsyncIterator[CompletionOutput]:
         """New output of each choice, once per choice after it finished."""
         gen = self.serving.engine.generate({"prompt_token_ids": self.prompt_ids}, self.params,
-                                           self.request_id, cache_salt=self.request.cache_salt)
+                                           self.request_id, self.data_parallel_rank,
+                                           cache_salt=self.request.cache_salt)
         async with aclosing(gen):
             async for output in gen:
                 for sample in output.outputs:

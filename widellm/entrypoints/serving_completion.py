@@ -30,11 +30,12 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.model_name(request.model)
         self.check_engine()
         self.check_n(request.n)
+        rank = self.data_parallel_rank(raw_request)
         params = self.sampling_params(request)
         prompts = await self.tokenize_prompts(request.prompts(), "prompt")
         for _, ids in prompts:
             self.check_length(len(ids), params.max_tokens, "prompt")
-        run = _CompletionRun(self, request, params, model, prompts)
+        run = _CompletionRun(self, request, params, model, prompts, rank)
         if request.stream:
             return sse_response(run.stream())
         completed, response = await run_unless_disconnected(run.collect(), raw_request)
@@ -86,8 +87,10 @@ class _CompletionRun:
 
     def __init__(self, serving: OpenAIServingCompletion, request: CompletionRequest,
                  params: SamplingParams, model: str,
-                 prompts: list[tuple[str | None, list[int]]]) -> None:
+                 prompts: list[tuple[str | None, list[int]]],
+                 data_parallel_rank: int | None) -> None:
         self.serving = serving
+        self.data_parallel_rank = data_parallel_rank
         self.request = request
         self.params = params
         self.model = model
@@ -107,7 +110,8 @@ class _CompletionRun:
         engine = self.serving.engine
         generators = [
             engine.generate({"prompt": text, "prompt_token_ids": ids}, self.params,
-                            f"{self.request_id}-{i}", cache_salt=self.request.cache_salt)
+                            f"{self.request_id}-{i}", self.data_parallel_rank,
+                            cache_salt=self.request.cache_salt)
             for i, (text, ids) in enumerate(self.prompts)
         ]
         async with aclosing(merge_async_iterators(generators)) as merged:
