@@ -8,8 +8,9 @@ In order of precedence:
 * otherwise by need: the blocks ``max_num_seqs`` requests of ``max_model_len`` tokens can
   hold at once (``max_num_seqs * ceil(max_model_len / block_size)``), capped by the rank's
   share of ``kv_cache_memory_fraction`` of the available memory. On CPU every local rank
-  draws from one host, so the launcher of the local ranks measures MemAvailable once
-  (``share_host_memory``) and each rank gets ``fraction * available / local_ranks``: the
+  draws from one host, so the launcher of the local ranks measures the host's available
+  memory once, in ``share_host_memory`` (MemAvailable, or less where a memory cgroup limits
+  the process: ``worker/host_memory.py``), and each rank gets ``fraction * available / local_ranks``: the
   ranks of one host together promise one fraction, never ``local_ranks`` fractions. On GPU
   each rank has its own device and takes the fraction of that device's free memory.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from widellm.config import EngineConfig
 from widellm.device import on_cuda
-from widellm.worker.kv_cache import available_memory_bytes
+from widellm.worker.kv_cache import available_memory
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,14 @@ def share_host_memory(config: EngineConfig) -> EngineConfig:
     cc = config.cache_config
     if not uses_host_budget(config) or cc.host_available_memory is not None:
         return config
-    available = available_memory_bytes()
+    memory = available_memory()
+    available = memory.num_bytes
     local = config.parallel_config.local_size
     logger.info(
         "KV budget: %d bytes available x kv_cache_memory_fraction %r = %d bytes for the KV "
-        "caches of this host, shared by %d local rank(s)",
+        "caches of this host, shared by %d local rank(s) (available: %s)",
         available, cc.kv_cache_memory_fraction,
-        int(available * cc.kv_cache_memory_fraction), local,
+        int(available * cc.kv_cache_memory_fraction), local, memory.source,
     )
     return config.replace(cache_config=dataclasses.replace(cc, host_available_memory=available))
 
@@ -60,10 +62,10 @@ def rank_budget_bytes(config: EngineConfig) -> int:
     """This rank's cap in bytes when no explicit size is given."""
     cc = config.cache_config
     if on_cuda():
-        return int(available_memory_bytes() * cc.kv_cache_memory_fraction)
+        return int(available_memory().num_bytes * cc.kv_cache_memory_fraction)
     available = cc.host_available_memory
     if available is None:
-        available = available_memory_bytes()
+        available = available_memory().num_bytes
     return int(available * cc.kv_cache_memory_fraction) // config.parallel_config.local_size
 
 

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from widellm.device import on_cuda
-
-MEMINFO = "/proc/meminfo"
+from widellm.worker.host_memory import AvailableMemory, host_available_memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +39,12 @@ class KVCacheSpec:
         return num_bytes // self.bytes_per_block
 
 
-def available_memory_bytes() -> int:
-    """Memory the KV cache may come from: free device memory on CUDA, MemAvailable on CPU."""
+def available_memory() -> AvailableMemory:
+    """Memory the KV cache may come from: free device memory on CUDA; on CPU the host's
+    MemAvailable or, where less, what this process's memory cgroups still allow."""
     if on_cuda():
-        return torch.cuda.mem_get_info()[0]
-    with open(MEMINFO) as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"cannot read MemAvailable from {MEMINFO}")
+        return AvailableMemory(torch.cuda.mem_get_info()[0], "free CUDA memory")
+    return host_available_memory()
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
