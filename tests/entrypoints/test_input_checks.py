@@ -58,3 +58,32 @@ def test_request_models_refuse_them():
                                                             "content": "\ud800"}]})
     ok = CompletionRequest.model_validate({"prompt": "hi", "temperature": 0.5, "seed": 7})
     assert (ok.temperature, ok.seed) == (0.5, 7)
+
+
+def test_bulk_checks_still_name_the_bad_value():
+    """Wide levels are checked in bulk; a bad value among many is still found and named."""
+    messages = [{"role": "user", "content": "ok"} for _ in range(5000)]
+    messages[3217]["content"] = "a\ud800"
+    with pytest.raises(ValueError, match=r"^messages: messages\.3217\.content is not valid"):
+        check_json_values({"messages": messages})
+    ids = [[1, 2]] * 4000 + [[3, INT64_MAX + 1]]
+    with pytest.raises(ValueError, match=r"^prompt: prompt\.4000\.1 must fit"):
+        check_json_values({"prompt": ids})
+    bias = {str(i): 1.5 for i in range(3000)} | {"77": float("inf")}
+    with pytest.raises(ValueError, match=r"^logit_bias: logit_bias\.77 must be a finite"):
+        check_json_values({"logit_bias": bias})
+    check_json_values({"messages": [{"role": "user", "content": "fine"}] * 5000,
+                       "prompt": [[1, True, INT64_MIN]] * 3000, "bias": {"1": 0.5}})
+
+
+@pytest.mark.parametrize("prompt,ok", [
+    ([1, 2], True), (["a", "b"], True), ([[1], [2, 3]], True), ("a", True),
+    ([True, 1], False), ([1, "a"], False), ([[1], []], False), ([[1], ["a"]], False),
+    ([], False), ([[1], 2], False), ([1.0], False),
+])
+def test_prompt_shapes_by_the_fast_path_match_the_union(prompt, ok):
+    if ok:
+        assert CompletionRequest(prompt=prompt).prompt == prompt
+    else:
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt=prompt)

@@ -20,6 +20,7 @@ the server's error names that field as ``param``::
 from __future__ import annotations
 
 import math
+from itertools import chain
 from typing import Any
 
 # The widest integer any request field needs: token ids, seeds and counts are int64 in the
@@ -44,11 +45,40 @@ def _problem(value: Any) -> str | None:
     return None
 
 
-def _in_range_ints(values: list) -> bool:
-    """True when ``values`` holds only in-range ints (a token-id prompt), checked at C speed:
-    walking a long prompt's ids one by one in Python held the event loop for seconds."""
-    return (bool(values) and set(map(type, values)) == {int}
+def _all_fine(values: list) -> bool:
+    """True when ``values`` are all strings, all finite floats or all in-range ints (bools
+    included), checked at C speed: one UTF-8 encode of the strings joined, ``isfinite``
+    over the floats, min and max of the ints. False means "look at each"."""
+    kinds = set(map(type, values))
+    if kinds == {str}:
+        try:
+            "".join(values).encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if kinds == {float}:
+        return all(map(math.isfinite, values))
+    return (bool(kinds) and kinds <= {int, bool}
             and INT64_MIN <= min(values) and max(values) <= INT64_MAX)
+
+
+def _bulk_fine(values: list) -> bool:
+    """True when ``values`` and everything nested in them is certainly fine, one level at a
+    time at C speed: a level of only lists is flattened into one list, a level of only dicts
+    into their keys (checked) and their values. False (a bad value, or a level mixing kinds)
+    means "walk it and name what is wrong". Walking a 4 MiB body value by value in Python
+    held the event loop for seconds (a million one-element lists: 2.7 s)."""
+    while values:
+        kinds = set(map(type, values))
+        if kinds == {list}:
+            values = list(chain.from_iterable(values))
+        elif kinds == {dict}:
+            if not _all_fine(list(chain.from_iterable(values))):
+                return False
+            values = list(chain.from_iterable(map(dict.values, values)))
+        else:
+            return _all_fine(values)
+    return True
 
 
 def _render(path: tuple) -> str:
@@ -71,19 +101,25 @@ def check_json_values(body: Any) -> None:
         key_problem = _problem(key)
         if key_problem:
             raise ValueError(f"a top-level key {key_problem}")
-    stack: list[tuple[str, tuple, Any]] = [(k, (k, None), v) for k, v in body.items()]
+    # Entries: (top-level field, path, value, whether to try the bulk check first). Below a
+    # value whose bulk check failed, only single levels are checked in bulk: trying every
+    # level of a deep body in bulk again would cost time quadratic in its depth.
+    stack: list[tuple[str, tuple, Any, bool]] = [
+        (k, (k, None), v, True) for k, v in body.items()]
     while stack:
-        top, path, value = stack.pop()
+        top, path, value, bulk = stack.pop()
         if isinstance(value, dict):
-            for k, v in value.items():
-                key_problem = _problem(k)
-                if key_problem:
-                    raise ValueError(f"{top}: a key in {_render(path)} {key_problem}")
-                stack.append((top, (k, path), v))
+            if not _all_fine(list(value)):
+                for k in value:
+                    key_problem = _problem(k)
+                    if key_problem:
+                        raise ValueError(f"{top}: a key in {_render(path)} {key_problem}")
+            values = list(value.values())
+            if not (_bulk_fine(values) if bulk else _all_fine(values)):
+                stack.extend((top, (k, path), v, False) for k, v in value.items())
         elif isinstance(value, list):
-            if _in_range_ints(value):
-                continue
-            stack.extend((top, (i, path), v) for i, v in enumerate(value))
+            if not (_bulk_fine(value) if bulk else _all_fine(value)):
+                stack.extend((top, (i, path), v, False) for i, v in enumerate(value))
         else:
             problem = _problem(value)
             if problem:

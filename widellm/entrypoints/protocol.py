@@ -9,11 +9,12 @@ servers commonly do, so clients that send newer options keep working.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from itertools import chain
+from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_serializer,
-    model_validator,
+    BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidatorFunctionWrapHandler,
+    WrapValidator, field_validator, model_serializer, model_validator,
 )
 
 from widellm.entrypoints.input_checks import check_json_values
@@ -27,7 +28,26 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 # Prompt shapes of /v1/completions. Strict types: "1" or true must not become token ids.
 TokenIds = list[StrictInt]
-CompletionPrompt = StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+
+
+def _is_flat(value: Any, kind: type) -> bool:
+    return isinstance(value, list) and set(map(type, value)) == {kind}
+
+
+def _prompt_by_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A list of only ints or only strings (or lists of only ints) is already valid; the
+    union's own validation tries every member on every element first, which took 0.4 s of
+    event-loop time for a 4 MiB token-id prompt. Anything else goes through the union (and
+    gets its errors). ``type`` is exact, so true and false never pass as token ids."""
+    if _is_flat(value, int) or _is_flat(value, str):
+        return value
+    if _is_flat(value, list) and set(map(type, chain.from_iterable(value))) == {int}:
+        return value
+    return handler(value)
+
+
+CompletionPrompt = Annotated[StrictStr | list[StrictStr] | TokenIds | list[TokenIds],
+                             WrapValidator(_prompt_by_shape)]
 
 
 # Request fields passed to SamplingParams unchanged (when not None).
@@ -128,8 +148,10 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _non_empty_prompt(self) -> CompletionRequest:
+        # A list prompt is one shape throughout (validated): all(...) checks, at C speed,
+        # that no token-id list in a list of them is empty.
         if isinstance(self.prompt, list) and (
-            not self.prompt or any(isinstance(p, list) and not p for p in self.prompt)
+            not self.prompt or (isinstance(self.prompt[0], list) and not all(self.prompt))
         ):
             raise ValueError("prompt: must not be empty")
         return self
