@@ -255,7 +255,40 @@ def test_a_chunked_body_over_the_limit_is_refused_while_it_is_read(server, monit
     assert message == (f"request body too large: it is longer than this server's limit of "
                        f"{LIMIT} bytes (--max-request-body-bytes)")
     assert response.headers["connection"] == "close"
-    assert sum(sent) < HUGE_BODY_BYTES  # refused part-way: the rest was never sent
+    # httpx sends the whole body before it reads the answer; the server drained it (kept none)
+    assert sum(sent) == HUGE_BODY_BYTES // CHUNK_BYTES * CHUNK_BYTES
+    window.assert_flowing()
+
+
+def test_a_refused_body_is_drained_so_the_close_is_clean(server, monitor):
+    """After the 413 the server reads the rest of the body before it closes: closing on unread
+    bytes would reset the connection, and a reset can destroy the 413 before the client reads
+    it. Here the whole body goes out first, as httpx sends it, and the close is a clean EOF."""
+    body = b"a" * HUGE_BODY_BYTES
+    with monitor.window() as window, socket.create_connection(
+            ("127.0.0.1", server.port), timeout=CLIENT_TIMEOUT_S) as s:
+        s.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n".encode())
+        s.sendall(body)  # a reset would fail this send, or the reads below
+        response = http.client.HTTPResponse(s)
+        response.begin()
+        error = json.loads(response.read())
+        assert s.recv(1) == b""
+    _assert_error((response.status, error), 413, None)
+    window.assert_flowing()
+
+
+def test_a_client_waiting_for_100_continue_gets_the_413_instead(server, monitor):
+    with monitor.window() as window, socket.create_connection(
+            ("127.0.0.1", server.port), timeout=CLIENT_TIMEOUT_S) as s:
+        s.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  f"Expect: 100-continue\r\nContent-Length: {HUGE_BODY_BYTES}\r\n\r\n"
+                  .encode())
+        response = http.client.HTTPResponse(s)
+        response.begin()  # the first status line: a 100 here would be an invitation to send
+        error = json.loads(response.read())
+        assert s.recv(1) == b""  # closed at once: no body was sent, none is waited for
+    _assert_error((response.status, error), 413, None)
     window.assert_flowing()
 
 
