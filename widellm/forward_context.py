@@ -15,10 +15,28 @@ from typing import Any
 from widellm.step_timer import StepTimer
 
 
+@dataclass(frozen=True, slots=True)
+class DPMetadata:
+    """What the data-parallel ranks agreed on for this forward (the step's lockstep vote).
+
+    Attributes:
+        num_tokens_across_dp: rows of each rank's forward this step, in rank order (a rank
+            without work runs a dummy batch and counts its rows). Backends that pad every
+            rank to the same size read the largest here instead of agreeing per layer.
+    """
+
+    num_tokens_across_dp: tuple[int, ...]
+
+    @property
+    def max_num_tokens(self) -> int:
+        return max(self.num_tokens_across_dp)
+
+
 @dataclass(slots=True)
 class ForwardContext:
     attn_metadata: Any  # layers.attention_metadata.AttentionMetadata
     step_timer: StepTimer | None = None  # set when the step-time breakdown is collected
+    dp_metadata: DPMetadata | None = None  # set under expert parallelism over several ranks
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext] = contextvars.ContextVar("widellm_forward_context")
@@ -26,11 +44,12 @@ _CONTEXT: contextvars.ContextVar[ForwardContext] = contextvars.ContextVar("widel
 
 @contextlib.contextmanager
 def set_forward_context(
-    attn_metadata: Any, step_timer: StepTimer | None = None
+    attn_metadata: Any, step_timer: StepTimer | None = None,
+    dp_metadata: DPMetadata | None = None,
 ) -> Iterator[None]:
     if _CONTEXT.get(None) is not None:
         raise RuntimeError("forward contexts do not nest")
-    token = _CONTEXT.set(ForwardContext(attn_metadata, step_timer))
+    token = _CONTEXT.set(ForwardContext(attn_metadata, step_timer, dp_metadata))
     try:
         yield
     finally:

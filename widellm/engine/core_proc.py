@@ -17,8 +17,9 @@ crash sends one ``EngineCoreOutputs`` with ``engine_error`` set before the proce
 in-flight requests fail fast instead of hanging.
 
 With expert parallelism the ranks step in lockstep (``distributed/lockstep.py``): each loop
-iteration starts with a tiny all-reduce of "have work / shutting down"; ranks without work
-run a dummy batch while any rank has work.
+iteration schedules, then all-gathers one small vote per rank ("have work / shutting down /
+rows of my forward"); ranks without work run a dummy batch while any rank has work, and the
+MoE layers read the agreed rows instead of agreeing on sizes themselves.
 """
 
 from __future__ import annotations
@@ -237,19 +238,21 @@ class _CoreLoop:
         while True:
             busy = in_wave or core.has_unfinished_requests()
             self._drain(0 if busy else LOCKSTEP_IDLE_POLL_MS)
+            # Scheduled before the vote: the vote carries the forward's row count.
+            step = core.plan_step()
             with maybe_phase(core.step_timer, "lockstep_sync"):
-                state = self.lockstep.sync(core.has_unfinished_requests(),
-                                           self.shutdown_requested)
+                state = self.lockstep.sync(step.has_work, self.shutdown_requested,
+                                           step.num_rows)
             if state.any_shutdown:
                 return
             in_wave = state.any_has_work
             if not in_wave:
                 self._send_stats_if_dirty()
                 core.model_runner.warm_next_size()  # local work only, no collective
-            elif core.has_unfinished_requests():
-                self._step()
-            else:
-                core.execute_dummy_batch()
+                continue
+            outputs = core.run_planned_step(step, state.dp_metadata)
+            if step.has_work:
+                self._stepped(outputs)
 
     def _drain(self, timeout_ms: int) -> None:
         """Apply everything that arrived, waiting up to ``timeout_ms`` for the first frame."""
@@ -269,7 +272,9 @@ class _CoreLoop:
             self.shutdown_requested = True
 
     def _step(self) -> None:
-        outputs = self.core.step()
+        self._stepped(self.core.step())
+
+    def _stepped(self, outputs: list[EngineCoreOutput]) -> None:
         self.stats_dirty = False
         if outputs or not self.core.has_unfinished_requests():
             self._send(outputs)

@@ -21,10 +21,11 @@ from widellm.core.scheduler import Scheduler, SchedulerStats
 from widellm.core.scheduler_output import SchedulerOutput
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.distributed.groups import DPGroups
+from widellm.forward_context import DPMetadata
 from widellm.engine.kv_budget import plan_num_blocks
 from widellm.sampling_params import SamplingParams
 from widellm.step_timer import StepTimer, maybe_phase
-from widellm.worker.model_runner import ModelRunner
+from widellm.worker.model_runner import DUMMY_BATCH_ROWS, ModelInput, ModelRunner
 
 logger = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -39,6 +40,29 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     # vLLM's cache_salt: requests with different salts never share a prefix-cache block.
     cache_salt: str | None = None
+
+
+@dataclasses.dataclass
+class PlannedStep:
+    """A lockstep rank's next step, scheduled and prepared before the ranks vote on it.
+
+    Attributes:
+        scheduler_output: what the scheduler chose; None when this rank has no request (it
+            runs a dummy batch if the ranks step).
+        model_input: the forward's inputs; None when nothing was scheduled.
+    """
+
+    scheduler_output: SchedulerOutput | None
+    model_input: ModelInput | None
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler_output is not None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the forward this rank runs if the ranks step (its vote)."""
+        return self.model_input.num_rows if self.model_input is not None else DUMMY_BATCH_ROWS
 
 
 class EngineCore:
@@ -113,19 +137,42 @@ class EngineCore:
                                    last_step_duration_s=self.last_step_duration_s)
 
     def _step(self) -> list[EngineCoreOutput]:
+        if self.lockstep:
+            raise RuntimeError("lockstep ranks step through plan_step and run_planned_step")
         if self.async_scheduling:
             return self.step_with_batch_queue()
         with maybe_phase(self.step_timer, "schedule"):
             scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
-        if self.lockstep and scheduler_output.is_empty:
-            self.model_runner.execute_dummy_batch()
         with maybe_phase(self.step_timer, "schedule"):
             return self.scheduler.update_from_output(scheduler_output, runner_output)
 
-    def execute_dummy_batch(self) -> None:
-        """A forward with no request in it, for lockstep with ranks that have work."""
-        self.model_runner.execute_dummy_batch()
+    # ---- lockstep (expert parallelism over several ranks) ----------------------------------
+
+    def plan_step(self) -> PlannedStep:
+        """Schedule and prepare this rank's next step, so that its row count can go into the
+        ranks' vote before any forward runs."""
+        if not self.scheduler.has_unfinished_requests():
+            return PlannedStep(None, None)
+        with maybe_phase(self.step_timer, "schedule"):
+            so = self.scheduler.schedule()
+        return PlannedStep(so, self.model_runner.prepare_model_input(so))
+
+    def run_planned_step(self, step: PlannedStep,
+                         dp_metadata: DPMetadata) -> list[EngineCoreOutput]:
+        """Run ``step`` (a dummy batch when it holds no forward) as the ranks agreed."""
+        if step.model_input is None:
+            self.model_runner.execute_dummy_batch(dp_metadata)
+        if step.scheduler_output is None:
+            return []
+        start = time.monotonic()
+        try:
+            runner_output = self.model_runner.run_model_input(step.model_input, dp_metadata)
+            with maybe_phase(self.step_timer, "schedule"):
+                return self.scheduler.update_from_output(step.scheduler_output, runner_output)
+        finally:
+            self.num_steps += 1
+            self.last_step_duration_s = time.monotonic() - start
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Keep two steps in flight: schedule N+1 (with placeholders for N's samples) while

@@ -143,10 +143,8 @@ class DeepseekMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        # The shared experts run while the routed tokens travel (FusedMoE.forward).
+        return self.experts(x, self.gate(x), shared_experts=self.shared_experts)
 
 
 def _is_moe_layer(cfg: Any, i: int) -> bool:

@@ -37,10 +37,12 @@ class QwenMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x).float())
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        # The shared expert runs while the routed tokens travel (FusedMoE.forward).
+        shared = self._gated_shared_expert if self.shared_expert is not None else None
+        return self.experts(x, self.gate(x).float(), shared_experts=shared)
+
+    def _gated_shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
 def _is_sparse_layer(cfg: Any, i: int) -> bool:

@@ -10,6 +10,8 @@ import hashlib
 import logging
 import os
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,8 +20,8 @@ from widellm.config import EngineConfig
 from widellm.core.outputs import LogprobsLists, ModelRunnerOutput
 from widellm.core.scheduler_output import SchedulerOutput
 from widellm.device import on_cuda
-from widellm.forward_context import set_forward_context
 from widellm.distributed.ep_context import ExpertParallelContext
+from widellm.forward_context import DPMetadata, set_forward_context
 from widellm.layers.attention_metadata import (
     build_attention_metadata, dummy_attention_metadata, pad_attention_metadata,
 )
@@ -43,6 +45,29 @@ TEST_STEP_SLEEP_ENV = "WIDELLM_TEST_STEP_SLEEP_S"
 _CORE_SEED_TAG = b"widellm-engine-core-seed"
 # torch.Generator.manual_seed takes a 64-bit value; keep it non-negative.
 _SEED_MASK = (1 << 63) - 1
+# Rows of the forward a rank without work runs in lockstep: one padding token.
+DUMMY_BATCH_ROWS = 1
+
+
+@dataclass
+class ModelInput:
+    """One step's forward inputs, built before the lockstep vote (which carries its rows).
+
+    Attributes:
+        batch: the flattened requests.
+        attn_metadata: the attention metadata, padded to ``num_rows``.
+        input_ids: ``[num_rows]`` int64, padding rows token 0.
+        positions: ``[num_rows]`` int64, padding rows position 0.
+    """
+
+    batch: BatchInputs
+    attn_metadata: Any
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
 
 
 def engine_core_seed(seed: int, dp_rank: int) -> int:
@@ -63,6 +88,8 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = mc.hf_config.vocab_size
         self.model = build_model(mc.hf_config, mc.model, mc.dtype, ep)
+        # Ranks whose MoE layers exchange tokens with this one (None: this rank alone).
+        self.ep_size = ep.size if ep is not None and ep.size > 1 else None
         self.kv_spec = KVCacheSpec.from_model(self.model, self.block_size, mc.dtype)
         rank = config.parallel_config.data_parallel_rank or 0
         # Unseeded random rows draw from this rank's own stream: reproducible for a given
@@ -107,12 +134,19 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput,
+                      dp_metadata: DPMetadata | None = None) -> ModelRunnerOutput:
+        """Apply ``so`` and run its forward; under expert parallelism ``dp_metadata`` is what
+        the ranks agreed for this step (see :meth:`prepare_model_input`)."""
+        return self.run_model_input(self.prepare_model_input(so), dp_metadata)
+
+    def prepare_model_input(self, so: SchedulerOutput) -> ModelInput | None:
+        """Apply ``so`` to the request states and build its forward inputs (None when nothing
+        is scheduled). Split from the forward so that a lockstep rank can vote its row count
+        before it runs."""
         self._update_states(so)
         if so.is_empty:
-            return ModelRunnerOutput([], {}, [])
-        if self.test_step_sleep_s:
-            time.sleep(self.test_step_sleep_s)
+            return None
         batch = build_batch_inputs(self.states, so.num_scheduled_tokens)
         md = build_attention_metadata(
             batch.query_lens, batch.context_lens, batch.positions, batch.block_table,
@@ -124,12 +158,23 @@ class ModelRunner:
             md = pad_attention_metadata(md, num_padded)
             padding = torch.zeros(num_padded - len(input_ids), dtype=torch.int64)
             input_ids, positions = torch.cat([input_ids, padding]), torch.cat([positions, padding])
+        return ModelInput(batch, md, input_ids, positions)
+
+    @torch.inference_mode()
+    def run_model_input(self, inp: ModelInput | None,
+                        dp_metadata: DPMetadata | None = None) -> ModelRunnerOutput:
+        if inp is None:
+            return ModelRunnerOutput([], {}, [])
+        if self.test_step_sleep_s:
+            time.sleep(self.test_step_sleep_s)
         timer = self.step_timer
         self._before_forward()
-        with maybe_phase(timer, "forward"), set_forward_context(md, timer):
-            hidden = self.model(input_ids, positions)
+        dp_metadata = self._dp_metadata(inp.num_rows, dp_metadata)
+        with maybe_phase(timer, "forward"), set_forward_context(inp.attn_metadata, timer,
+                                                                dp_metadata):
+            hidden = self.model(inp.input_ids, inp.positions)
         with maybe_phase(timer, "sample"):
-            return self._sample(batch, hidden)
+            return self._sample(inp.batch, hidden)
 
     def _sample(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
 
@@ -159,13 +204,28 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_dummy_batch(self) -> None:
-        """One padding token through the model, touching no request and no KV slot: what a
-        rank without work runs so the other ranks' expert-parallel collectives complete."""
+    def execute_dummy_batch(self, dp_metadata: DPMetadata | None = None) -> None:
+        """``DUMMY_BATCH_ROWS`` padding tokens through the model, touching no request and no KV
+        slot: what a rank without work runs so the other ranks' expert-parallel collectives
+        complete."""
         self._before_forward()
+        dp_metadata = self._dp_metadata(DUMMY_BATCH_ROWS, dp_metadata)
+        zeros = torch.zeros(DUMMY_BATCH_ROWS, dtype=torch.int64)
         # Not timed inside: its MoE communication is idle time, not this rank's own traffic.
-        with maybe_phase(self.step_timer, "dummy"), set_forward_context(dummy_attention_metadata()):
-            self.model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+        with maybe_phase(self.step_timer, "dummy"), set_forward_context(
+                dummy_attention_metadata(DUMMY_BATCH_ROWS), dp_metadata=dp_metadata):
+            self.model(zeros, zeros)
+
+    def _dp_metadata(self, num_rows: int, agreed: DPMetadata | None) -> DPMetadata | None:
+        """The step's agreement, checked against this rank's forward; None on one rank."""
+        if self.ep_size is None:
+            return None
+        if agreed is None:
+            raise ValueError("an expert-parallel forward needs the ranks' agreed row counts")
+        if len(agreed.num_tokens_across_dp) != self.ep_size:
+            raise ValueError(f"agreed row counts {agreed.num_tokens_across_dp} are not one per "
+                             f"rank of {self.ep_size}")
+        return agreed
 
     @torch.inference_mode()
     def warmup(self, sizes: list[int]) -> None:
@@ -175,7 +235,9 @@ class ModelRunner:
         creation and first-touched activation memory: measured 3.3 s for a 4,096-token batch
         of SmolLM2 against 1.9 s warm, which would otherwise land on the first requests."""
         for n in sizes:
-            with set_forward_context(dummy_attention_metadata(n)):
+            # Every rank warms the same sizes in the same order: the agreement is known.
+            same = DPMetadata((n,) * self.ep_size) if self.ep_size is not None else None
+            with set_forward_context(dummy_attention_metadata(n), dp_metadata=same):
                 zeros = torch.zeros(n, dtype=torch.int64)  # token 0 at position 0
                 hidden = self.model(zeros, zeros)
             self.model.compute_logits(hidden[: min(n, self.config.scheduler_config.max_num_seqs)])

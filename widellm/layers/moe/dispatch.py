@@ -19,6 +19,7 @@ contribute zero.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,14 +95,20 @@ class MoEDispatcher(ABC):
 
     @abstractmethod
     def dispatch_launch(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        num_tokens_across_ranks: Sequence[int] | None = None,
     ) -> DispatchHandle:
-        """Start sending tokens to their experts.
+        """Start sending tokens to their experts; returns without waiting on any collective
+        or host sync.
 
         Args:
             hidden_states: ``[T, H]``.
             topk_ids: ``[T, k]`` int64 global expert ids, -1 for padding.
             topk_weights: ``[T, k]`` fp32 gate weights.
+            num_tokens_across_ranks: every rank's ``T`` for this call, as the step's lockstep
+                vote agreed (the forward context's ``dp_metadata``); a backend that needs it
+                and does not get it agrees on it with a blocking collective (use outside an
+                engine step only).
         """
 
     @abstractmethod
@@ -169,7 +176,8 @@ class LocalDispatcher(MoEDispatcher):
     """
 
     def dispatch_launch(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        num_tokens_across_ranks: Sequence[int] | None = None,
     ) -> DispatchHandle:
         num_tokens, top_k = topk_ids.shape
         hidden_size = hidden_states.shape[-1]

@@ -27,6 +27,7 @@ The contract shared by all expert-parallel backends is in :mod:`widellm.layers.m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +117,8 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         return self.capacity >= self.max_tokens_per_rank * min(top_k, self.experts_per_rank)
 
     def dispatch_launch(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        num_tokens_across_ranks: Sequence[int] | None = None,
     ) -> DispatchHandle:
         num_tokens, top_k = topk_ids.shape
         static = self.overflow_impossible(top_k)

@@ -5,8 +5,9 @@ gate weights, packed in one row per token) and each rank picks the (token, slot)
 own experts. Combine weights those rows, sums them per token into an fp32 partial over all
 ranks' tokens, and a reduce-scatter hands each rank the sum for its own tokens.
 
-Token counts differ per rank but an all-gather moves equal sizes, so the ranks first agree on
-the largest count (a one-integer all-reduce and a host sync) and pad to it with -1 rows.
+Token counts differ per rank but an all-gather moves equal sizes, so every rank pads to the
+largest count with -1 rows; the counts come from the step's lockstep vote (passed in), so the
+launch runs no collective but the all-gather itself.
 Traffic grows with ``ep_size * T`` whatever the routing, and the fp32 partial is
 ``[ep_size * T_max, H]``: fine for a couple of ranks, a reference for the all-to-all backends.
 The contract shared by all expert-parallel backends is in :mod:`widellm.layers.moe.dispatch_ep`.
@@ -14,6 +15,7 @@ The contract shared by all expert-parallel backends is in :mod:`widellm.layers.m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,13 +62,12 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
     """
 
     def dispatch_launch(
-        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        num_tokens_across_ranks: Sequence[int] | None = None,
     ) -> DispatchHandle:
         num_tokens, top_k = topk_ids.shape
         device = hidden_states.device
-        max_tokens_t = torch.tensor([num_tokens], dtype=torch.int64, device=device)
-        dist.all_reduce(max_tokens_t, op=dist.ReduceOp.MAX, group=self.group)
-        max_tokens = int(max_tokens_t)
+        max_tokens = max(self.token_counts(num_tokens, num_tokens_across_ranks))
 
         codec = RowCodec(hidden_states.shape[-1], hidden_states.dtype, num_slots=top_k)
         send = codec.empty(max_tokens, device)

@@ -27,6 +27,7 @@ The contract every expert-parallel backend keeps:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -276,6 +277,18 @@ class ExpertParallelDispatcher(MoEDispatcher):
         self.ep_rank = dist.get_rank(group)
         self.ep_size = dist.get_world_size(group)
         self.experts_per_rank = check_ep_expert_map(expert_map, self.ep_rank, self.ep_size)
+
+    def token_counts(self, num_tokens: int, agreed: Sequence[int] | None) -> list[int]:
+        """Every rank's token count for this call: ``agreed`` (checked) when the step's vote
+        gave it, else agreed here with a blocking all-gather (outside an engine step)."""
+        if agreed is None:
+            counts = torch.zeros(self.ep_size, dtype=torch.int64)
+            dist.all_gather_into_tensor(counts, torch.tensor([num_tokens]), group=self.group)
+            return counts.tolist()
+        if len(agreed) != self.ep_size or agreed[self.ep_rank] != num_tokens:
+            raise ValueError(f"agreed token counts {list(agreed)} do not fit EP rank "
+                             f"{self.ep_rank}/{self.ep_size} with {num_tokens} tokens")
+        return list(agreed)
 
     @staticmethod
     def masked_weights(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

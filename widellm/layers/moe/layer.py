@@ -2,12 +2,14 @@
 
 The gate linear that produces ``router_logits`` and any shared experts belong to the model
 file; this module owns the stacked routed-expert weights of the experts local to this rank.
+``forward`` runs the stages (route, dispatch launch, dispatch wait, experts, combine launch,
+combine wait) in order, with the model's shared experts inside the dispatch window.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal, NamedTuple
@@ -19,11 +21,13 @@ from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.eplb.placement import ExpertPlacement
 from widellm.eplb.routing import logical_to_physical_ids
 from widellm.forward_context import current_forward_context
-from widellm.layers.moe.dispatch import SKIP_EXPERT_ID, MoEDispatcher
+from widellm.layers.moe.dispatch import (
+    SKIP_EXPERT_ID, DispatchedTokens, DispatchHandle, MoEDispatcher,
+)
 from widellm.layers.moe.experts import experts_forward
 from widellm.layers.moe.registry import make_dispatcher
 from widellm.layers.moe.router import GroupScore, ScoringFunc, select_experts
-from widellm.step_timer import maybe_phase
+from widellm.step_timer import StepTimer, maybe_phase
 
 if TYPE_CHECKING:
     from widellm.eplb.stats import ExpertLoadRecorder
@@ -272,18 +276,45 @@ class FusedMoE(nn.Module):
         router_logits: torch.Tensor,
         *,
         padding_mask: torch.Tensor | None = None,
+        shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Routed-expert output of each token (shared experts not included).
+        """Routed-expert output of each token, plus the shared experts' when given.
+
+        The stages below run in order; the shared experts (local compute) run while the
+        dispatch is in flight, between its launch and its wait.
 
         Args:
             hidden_states: ``[T, H]`` in the weights' dtype; expert math stays in it.
             router_logits: ``[T, E]`` gate outputs; routing is done in fp32.
             padding_mask: optional ``[T]`` bool, True for padding rows, which get expert id -1
                 and a zero output; defaults to the forward context's (dummy batches).
+            shared_experts: ``[T, H] -> [T, H]``, added to the routed output.
 
         Returns:
             ``[T, H]`` in the dtype of ``hidden_states``.
         """
+        topk_weights, topk_ids = self.route(hidden_states, router_logits, padding_mask)
+        timer = _timer()
+        with maybe_phase(timer, "moe_dispatch"):
+            dispatch_handle = self.dispatch_launch(hidden_states, topk_ids, topk_weights)
+        shared = shared_experts(hidden_states) if shared_experts is not None else None
+        with maybe_phase(timer, "moe_dispatch"):
+            tokens = self.dispatcher.dispatch_wait(dispatch_handle)
+        with maybe_phase(timer, "moe_experts"):
+            expert_output = self.run_experts(tokens)
+        with maybe_phase(timer, "moe_combine"):
+            combine_handle = self.dispatcher.combine_launch(expert_output, dispatch_handle)
+            routed = self.dispatcher.combine_wait(combine_handle)
+        return routed if shared is None else routed + shared
+
+    # ---- the stages of forward, for callers that interleave them ---------------------------
+
+    def route(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights [T, k] fp32, topk_ids [T, k] int64)``: the experts of each token, as
+        physical ids under EPLB, -1 for padding rows."""
         if hidden_states.dtype != self.w13_weight.dtype:
             raise TypeError(
                 f"hidden_states dtype {hidden_states.dtype} != expert weights {self.w13_weight.dtype}"
@@ -301,7 +332,6 @@ class FusedMoE(nn.Module):
             routed_scaling_factor=routing.routed_scaling_factor,
         )
         ctx = current_forward_context()
-        timer = ctx.step_timer if ctx is not None else None
         if padding_mask is None and ctx is not None:
             padding_mask = ctx.attn_metadata.padding_mask
         if padding_mask is not None:
@@ -315,14 +345,22 @@ class FusedMoE(nn.Module):
             )
             if self._load_recorder is not None:
                 self._load_recorder.record(self._moe_layer_index, topk_ids)
+        return topk_weights, topk_ids
 
-        with maybe_phase(timer, "moe_dispatch"):
-            dispatch_handle = self.dispatcher.dispatch_launch(hidden_states, topk_ids, topk_weights)
-            tokens = self.dispatcher.dispatch_wait(dispatch_handle)
-        with maybe_phase(timer, "moe_experts"):
-            expert_output = experts_forward(
-                tokens.hidden_states, tokens.expert_ids, self.w13_weight, self.w2_weight
-            )
-        with maybe_phase(timer, "moe_combine"):
-            combine_handle = self.dispatcher.combine_launch(expert_output, dispatch_handle)
-            return self.dispatcher.combine_wait(combine_handle)
+    def dispatch_launch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor) -> DispatchHandle:
+        """Start the dispatch with the token counts the step's vote agreed (if any)."""
+        ctx = current_forward_context()
+        dp = ctx.dp_metadata if ctx is not None else None
+        counts = dp.num_tokens_across_dp if dp is not None else None
+        return self.dispatcher.dispatch_launch(hidden_states, topk_ids, topk_weights, counts)
+
+    def run_experts(self, tokens: DispatchedTokens) -> torch.Tensor:
+        """``[N, H]`` unweighted outputs of the local experts for the dispatched rows."""
+        return experts_forward(tokens.hidden_states, tokens.expert_ids, self.w13_weight,
+                               self.w2_weight)
+
+
+def _timer() -> StepTimer | None:
+    ctx = current_forward_context()
+    return ctx.step_timer if ctx is not None else None
