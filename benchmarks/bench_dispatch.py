@@ -127,7 +127,7 @@ def _time_layer(dispatcher, batch, args: argparse.Namespace) -> list[float]:
 
 def _worker(rank: int, args: argparse.Namespace, port: int, results_path: str) -> None:
     from widellm.layers.moe import make_dispatcher
-    from widellm.layers.moe.dispatch_ep import all_gather_single
+    from widellm.distributed.collectives import all_gather_single
 
     torch.set_num_threads(args.threads)
     timeout = timedelta(seconds=args.timeout_s)

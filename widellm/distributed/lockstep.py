@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from widellm.distributed.collectives import all_gather_single
 from widellm.forward_context import DPMetadata
 
 # One vote: [has_work, shutdown, num_tokens].
@@ -49,7 +50,7 @@ class DPLockstep:
             num_tokens: rows of the forward this rank runs if the ranks step.
         """
         self._vote[0], self._vote[1], self._vote[2] = int(has_work), int(shutdown), num_tokens
-        dist.all_gather_into_tensor(self._votes, self._vote, group=self.cpu_group)
+        all_gather_single(self._votes, self._vote, group=self.cpu_group)
         votes = self._votes.view(self.size, _VOTE_FIELDS).tolist()
         return StepAgreement(
             any_has_work=any(v[0] for v in votes),

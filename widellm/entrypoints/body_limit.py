@@ -40,12 +40,13 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(CONTENT_LENGTH)
+        headers = dict(scope["headers"])
+        declared = headers.get(CONTENT_LENGTH)
         # The server (h11) has already refused a Content-Length that is not a number.
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             # A client waiting for "100 Continue" has sent no body: there is none to drain, and
             # draining would invite it (the server sends the 100 on the first receive).
-            waits = dict(scope["headers"]).get(EXPECT, b"").lower() == b"100-continue"
+            waits = headers.get(EXPECT, b"").lower() == b"100-continue"
             await self._refuse(scope, receive, send,
                                f"its Content-Length is {int(declared)} bytes, more than",
                                drain=not waits)

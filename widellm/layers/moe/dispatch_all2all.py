@@ -3,7 +3,8 @@ its experts.
 
 Dispatch finds the (token, destination rank) pairs a batch needs, grouped by rank, exchanges
 the per-destination counts (one small all-to-all, started by the launch half; the wait half
-reads them, a host sync: split sizes are host integers), then moves one packed row per pair in one all-to-all: the hidden vector once, with
+reads them, a host sync: split sizes are host integers), then moves one packed row per pair
+in one all-to-all: the hidden vector once, with
 the token's k local expert ids and gate weights (-1 / 0 for the slots another rank serves).
 A token routed to several experts of one rank crosses the wire once, not once per expert (at
 EP2 with top-6 of 64, about a third of the bytes). The receiving rank expands each row to its

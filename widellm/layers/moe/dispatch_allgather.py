@@ -21,13 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from widellm.distributed.collectives import all_gather_single, reduce_scatter_single
 from widellm.layers.moe.dispatch import CombineHandle, DispatchedTokens, DispatchHandle
-from widellm.layers.moe.dispatch_ep import (
-    ExpertParallelDispatcher,
-    RowCodec,
-    all_gather_single,
-    reduce_scatter_single,
-)
+from widellm.layers.moe.dispatch_ep import ExpertParallelDispatcher, RowCodec
 
 
 @dataclass

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from widellm.distributed.collectives import all_gather_single
 from widellm.layers.moe.dispatch import MoEDispatcher
 
 # Packed rows keep every field aligned for ``Tensor.view(dtype)``: 8 bytes covers the int64
@@ -40,12 +41,6 @@ from widellm.layers.moe.dispatch import MoEDispatcher
 _ALIGN = 8
 _ID_BYTES = 8
 _WEIGHT_BYTES = 4
-
-
-# torch 2.13 renamed the tensor forms of these collectives and warns on the old names, which
-# older releases still need.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -283,7 +278,7 @@ class ExpertParallelDispatcher(MoEDispatcher):
         gave it, else agreed here with a blocking all-gather (outside an engine step)."""
         if agreed is None:
             counts = torch.zeros(self.ep_size, dtype=torch.int64)
-            dist.all_gather_into_tensor(counts, torch.tensor([num_tokens]), group=self.group)
+            all_gather_single(counts, torch.tensor([num_tokens]), group=self.group)
             return counts.tolist()
         if len(agreed) != self.ep_size or agreed[self.ep_rank] != num_tokens:
             raise ValueError(f"agreed token counts {list(agreed)} do not fit EP rank "
