@@ -1,51 +1,104 @@
-"""The allocator setting takes effect: once a large block has been used and freed, allocating
-and filling one of the same size again takes (almost) no new page faults.
+"""The allocator setting takes effect: once it is on, a large block comes from glibc's heap
+instead of its own mmap(), and stays in the heap after it is freed, so later blocks of the
+same size reuse pages that are already mapped.
 
-``keep_freed_memory`` changes glibc's ``mallopt`` for the whole process, so the check runs in
-a child process: the tests after it keep the allocator they would have in production."""
+The heap does not settle at once: a tensor's small header is allocated just after its data,
+and a freed block is then a few bytes short of the next aligned request, so the heap may grow
+by a block a few times before every request fits a freed one (measured here: settled by the
+third to fifth cycle; a fixed warm-up of three cycles was a flake, in CI).
+
+The check reads glibc's own accounting (``mallinfo2``), which is exact on every kernel. Page
+faults are the effect users feel, but their count depends on the kernel and sandbox the test
+runs under (a CI run counted every page of a reused heap block as faulted again), so they are
+reported as a warning rather than asserted.
+
+``keep_freed_memory`` changes ``mallopt`` for the whole process, so the check runs in a child
+process: the tests after it keep the allocator they would have in production."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
 BIG = 64 << 20  # above glibc's largest mmap threshold (32 MiB), so normally mmap'd
 PAGE = 4096
-WARMUP_ALLOCATIONS = 3
+MAX_CYCLES = 16  # allocate, fill, free; the heap must settle well within this
+SETTLED_CYCLES = 3  # consecutive cycles without heap growth that count as settled
 CHILD_TIMEOUT_S = 120  # a torch import on a loaded 2-core machine takes a few seconds
 
 _CHILD = textwrap.dedent(f"""
-    import resource, sys, torch
+    import ctypes, ctypes.util, json, resource, torch
     from widellm.worker.cpu_allocator import keep_freed_memory
 
-    def faults():
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        torch.empty({BIG}, dtype=torch.uint8).fill_(1)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
 
-    first = faults()
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.mallinfo2.restype = MallInfo2
+
+    def cycle():
+        # (mmap'd bytes while alive, heap bytes while alive, free heap bytes after free, faults)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = torch.empty({BIG}, dtype=torch.uint8)
+        block.fill_(1)
+        alive = libc.mallinfo2()
+        del block
+        freed = libc.mallinfo2()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        return dict(mmapped=alive.hblkhd, heap=alive.arena, heap_after=freed.arena,
+                    free_after=freed.fordblks, mmapped_after=freed.hblkhd, faults=faults)
+
+    before = cycle()
     ok = keep_freed_memory()
-    for _ in range({WARMUP_ALLOCATIONS}):  # the heap grows to its working size first
-        faults()
-    print(first, int(ok), faults())
+    after = [cycle() for _ in range({MAX_CYCLES})]
+    print(json.dumps(dict(ok=ok, before=before, after=after)))
 """)
 
 
-def _child_faults() -> tuple[int, bool, int]:
+def _child() -> dict:
     out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
                          timeout=CHILD_TIMEOUT_S, check=True)
-    first, ok, after = out.stdout.split()
-    return int(first), ok == "1", int(after)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _settled_at(heap_sizes: list[int]) -> int | None:
+    """Index of the first cycle that begins SETTLED_CYCLES cycles with one heap size."""
+    for i in range(len(heap_sizes) - SETTLED_CYCLES + 1):
+        if len(set(heap_sizes[i:i + SETTLED_CYCLES])) == 1:
+            return i
+    return None
+
+
+def test_settled_at_needs_consecutive_equal_sizes():
+    assert _settled_at([1, 1, 2, 2, 2, 3]) == 2
+    assert _settled_at([1, 2, 2, 3, 3]) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 @pytest.mark.timeout(CHILD_TIMEOUT_S + 30)
-def test_large_blocks_are_reused_without_page_faults():
-    first, ok, after = _child_faults()
-    assert ok
-    # Before the setting the first fill faults in (nearly) all BIG / PAGE = 16384 pages: the
-    # measure works; after it, a refill of a freed block faults in almost none.
-    assert first > BIG // PAGE // 2
-    assert after < BIG // PAGE // 10
+def test_large_blocks_come_from_the_heap_and_stay_there():
+    r = _child()
+    assert r["ok"]
+    before, after = r["before"], r["after"]
+    # Without the setting the block is its own mapping, returned on free: the measure works.
+    assert before["mmapped"] - before["mmapped_after"] >= BIG
+    # With it: no block is ever mapped on its own; the heap holds it and keeps it once freed.
+    assert {c["mmapped"] for c in after} == {c["mmapped_after"] for c in after} == {
+        before["mmapped_after"]}
+    assert after[0]["heap"] - before["heap_after"] >= BIG
+    assert all(c["heap_after"] == c["heap"] and c["free_after"] >= BIG for c in after)
+    # It settles: from some cycle on, every block is served from kept pages.
+    settled = _settled_at([c["heap"] for c in after])
+    assert settled is not None, [c["heap"] for c in after]
+    faults = after[settled + SETTLED_CYCLES - 1]["faults"]
+    if faults >= BIG // PAGE // 10:
+        warnings.warn(f"the heap reused a freed {BIG >> 20} MiB block, yet refilling it took "
+                      f"{faults} page faults (before the setting: {before['faults']}): this "
+                      "kernel or sandbox drops freed heap pages")
