@@ -296,10 +296,6 @@ class EngineConfig:
         if self.eplb_config.enable_eplb and not self.parallel_config.needs_lockstep:
             raise ValueError("enable_eplb needs --enable-expert-parallel over more than one "
                              "rank (--data-parallel-size > 1)")
-        if self.parallel_config.needs_lockstep and self.scheduler_config.async_scheduling:
-            # The runner thread's MoE collectives and the main thread's lockstep all-reduce
-            # would have to be ordered across ranks; not supported yet.
-            raise ValueError("async_scheduling is not supported with expert parallelism yet")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -39,11 +39,15 @@ def skewed(tmp_path_factory):
     return path, _generate(path)[0]
 
 
-@pytest.mark.parametrize("dp", [2, 4])
-def test_eplb_rebalances_mid_generation_with_equal_outputs(skewed, dp):
+@pytest.mark.parametrize("dp,async_scheduling", [(2, False), (4, False), (2, True)],
+                         ids=["dp2", "dp4", "dp2-async"])
+def test_eplb_rebalances_mid_generation_with_equal_outputs(skewed, dp, async_scheduling):
+    """With async scheduling EPLB's weight moves run on the runner thread, between the
+    forwards, in the same step order on every rank."""
     path, expected = skewed
     got, stats = _generate(
         path, data_parallel_size=dp, enable_expert_parallel=True, enable_eplb=True,
+        async_scheduling=async_scheduling,
         eplb_num_redundant_experts=REDUNDANT, eplb_window_size=WINDOW,
         eplb_step_interval=INTERVAL, eplb_log_balancedness=True,
     )

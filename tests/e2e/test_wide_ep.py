@@ -42,12 +42,16 @@ def reference(request, model_dir):
     return path, prompts, generate(path, prompts)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_expert_parallel_equals_single_rank(reference, backend, dp):
+def test_expert_parallel_equals_single_rank(reference, backend, dp, async_scheduling):
+    """With async scheduling the runner thread owns the vote and every forward's collectives
+    while the next step is scheduled (an idle rank included)."""
     path, prompts, expected = reference
     got = generate(path, prompts, PLACEMENT[dp], data_parallel_size=dp,
-                   enable_expert_parallel=True, all2all_backend=backend)
+                   enable_expert_parallel=True, all2all_backend=backend,
+                   async_scheduling=async_scheduling)
     assert got == expected
 
 
@@ -88,3 +92,5 @@ def test_n_samples_stop_strings_and_seeds_across_ranks(model_dir):
     expected = run()
     assert any(c[2] == "stop" for o in expected[3:] for c in o)  # a stop string did fire
     assert run(data_parallel_size=2, enable_expert_parallel=True) == expected
+    assert run(data_parallel_size=2, enable_expert_parallel=True,
+               async_scheduling=True) == expected

@@ -73,7 +73,7 @@ def _engine_core_pids(server: ServerProcess) -> list[int]:
 @pytest.fixture(scope="module")
 def dp2_server(model_dir, tmp_path_factory):
     server = ServerProcess(model_dir(ARCH), tmp_path_factory.mktemp("dp2") / "server.log",
-                           ["--data-parallel-size", "2", *EP_FLAGS])
+                           ["--data-parallel-size", "2", *EP_FLAGS, "--async-scheduling"])
     try:
         server.wait_ready()
         yield server

@@ -145,7 +145,6 @@ class EngineArgs:
             tokenizer=self.tokenizer or path,
             seed=self.seed,
         )
-        lockstep = self.enable_expert_parallel and self.data_parallel_size > 1
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -160,7 +159,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len,
                 async_scheduling=(
-                    on_cuda() and not lockstep if self.async_scheduling is None
+                    on_cuda() if self.async_scheduling is None
                     else self.async_scheduling),
                 prefill_pad_multiple=(
                     (0 if on_cuda() else default_prefill_pad_multiple(self.max_num_batched_tokens))

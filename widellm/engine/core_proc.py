@@ -19,7 +19,9 @@ in-flight requests fail fast instead of hanging.
 With expert parallelism the ranks step in lockstep (``distributed/lockstep.py``): each loop
 iteration schedules, then all-gathers one small vote per rank ("have work / shutting down /
 rows of my forward"); ranks without work run a dummy batch while any rank has work, and the
-MoE layers read the agreed rows instead of agreeing on sizes themselves.
+MoE layers read the agreed rows instead of agreeing on sizes themselves. With async
+scheduling the vote and the forward run on the runner thread (``lockstep_pipeline``), so one
+thread issues all of a rank's collectives while this one schedules the next step.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from widellm.device import on_cuda
 from widellm.distributed.groups import DPGroups, destroy_dp_groups, init_dp_groups
 from widellm.distributed.lockstep import DPLockstep
 from widellm.engine.engine_core import EngineCore, EngineCoreRequest
+from widellm.engine.lockstep_pipeline import LockstepPipeline
 from widellm.gc_heap import freeze_startup_heap
 from widellm.ops.cpu_kernels import load_cpu_kernels
 from widellm.step_timer import maybe_phase
@@ -216,6 +219,8 @@ class _CoreLoop:
     def run(self) -> None:
         if self.lockstep is None:
             self._run_independent()
+        elif self.core.async_scheduling:
+            self._run_lockstep_async()
         else:
             self._run_lockstep()
         self.core.shutdown()
@@ -253,6 +258,33 @@ class _CoreLoop:
             outputs = core.run_planned_step(step, state.dp_metadata)
             if step.has_work:
                 self._stepped(outputs)
+
+    def _run_lockstep_async(self) -> None:
+        """Lockstep with the next step scheduled while the current one runs: the runner thread
+        votes and runs the forwards (one owner of the rank's collectives, see
+        ``lockstep_pipeline``); this thread only receives, schedules and sends."""
+        core, in_wave = self.core, False
+        pipe = LockstepPipeline(core, self.lockstep)
+        while True:
+            busy = in_wave or core.has_unfinished_requests() or bool(pipe.in_flight)
+            self._drain(0 if busy else LOCKSTEP_IDLE_POLL_MS)
+            if not pipe.full and (core.scheduler.has_unfinished_requests()
+                                  or not pipe.in_flight):
+                so = core.schedule_step()
+                pipe.submit(so, self.shutdown_requested)
+                if not pipe.full and so is not None and not so.is_empty:
+                    continue  # fill the pipeline before blocking on a result
+            done = pipe.collect()
+            if done.shutdown:
+                return
+            in_wave = done.agreement.any_has_work
+            if done.runner_output is not None:
+                outputs = core.finish_step(done.scheduler_output, done.runner_output)
+                core.count_step(done.start)
+                self._stepped(outputs)
+            elif not in_wave and not pipe.in_flight:
+                self._send_stats_if_dirty()
+                core.model_runner.warm_next_size()  # the runner thread is idle: no race
 
     def _drain(self, timeout_ms: int) -> None:
         """Apply everything that arrived, waiting up to ``timeout_ms`` for the first frame."""

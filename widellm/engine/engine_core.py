@@ -104,9 +104,11 @@ class EngineCore:
         # Steps taken and the wall time of the latest, reported with the scheduler stats.
         self.num_steps = 0
         self.last_step_duration_s = 0.0
-        # Async scheduling: steps submitted to the runner thread, oldest first.
+        # Async scheduling: steps submitted to the runner thread, oldest first. With
+        # lockstep the loop keeps its own queue (of voted steps) on the same thread: that one
+        # thread then issues every collective of this rank, in step order.
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
-        self._runner_thread = (
+        self.runner_thread = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="widellm-runner")
             if self.async_scheduling else None
         )
@@ -128,8 +130,7 @@ class EngineCore:
         try:
             return self._step()
         finally:
-            self.num_steps += 1
-            self.last_step_duration_s = time.monotonic() - start
+            self.count_step(start)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's numbers plus the step counters the frontend's stall check logs."""
@@ -152,27 +153,50 @@ class EngineCore:
     def plan_step(self) -> PlannedStep:
         """Schedule and prepare this rank's next step, so that its row count can go into the
         ranks' vote before any forward runs."""
+        return self.prepare_step(self.schedule_step())
+
+    def schedule_step(self) -> SchedulerOutput | None:
+        """This rank's scheduling decision for its next lockstep step (None: no request)."""
         if not self.scheduler.has_unfinished_requests():
-            return PlannedStep(None, None)
+            return None
         with maybe_phase(self.step_timer, "schedule"):
-            so = self.scheduler.schedule()
-        return PlannedStep(so, self.model_runner.prepare_model_input(so))
+            return self.scheduler.schedule()
+
+    def prepare_step(self, so: SchedulerOutput | None) -> PlannedStep:
+        """Apply ``so`` to the runner's request states and build the forward's inputs. With
+        async scheduling this runs on the runner thread, after the previous step sampled."""
+        return PlannedStep(so, self.model_runner.prepare_model_input(so) if so else None)
+
+    def forward_planned_step(self, step: PlannedStep,
+                             dp_metadata: DPMetadata) -> ModelRunnerOutput | None:
+        """Run ``step``'s forward (a dummy batch when it holds none) as the ranks agreed."""
+        if step.model_input is None:
+            self.model_runner.execute_dummy_batch(dp_metadata)
+        if step.scheduler_output is None:
+            return None
+        return self.model_runner.run_model_input(step.model_input, dp_metadata)
+
+    def finish_step(self, so: SchedulerOutput,
+                    runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Hand a lockstep step's samples to the scheduler (on the thread that schedules)."""
+        with maybe_phase(self.step_timer, "schedule"):
+            return self.scheduler.update_from_output(so, runner_output)
 
     def run_planned_step(self, step: PlannedStep,
                          dp_metadata: DPMetadata) -> list[EngineCoreOutput]:
         """Run ``step`` (a dummy batch when it holds no forward) as the ranks agreed."""
-        if step.model_input is None:
-            self.model_runner.execute_dummy_batch(dp_metadata)
-        if step.scheduler_output is None:
-            return []
         start = time.monotonic()
+        runner_output = self.forward_planned_step(step, dp_metadata)
+        if runner_output is None:
+            return []
         try:
-            runner_output = self.model_runner.run_model_input(step.model_input, dp_metadata)
-            with maybe_phase(self.step_timer, "schedule"):
-                return self.scheduler.update_from_output(step.scheduler_output, runner_output)
+            return self.finish_step(step.scheduler_output, runner_output)
         finally:
-            self.num_steps += 1
-            self.last_step_duration_s = time.monotonic() - start
+            self.count_step(start)
+
+    def count_step(self, start: float) -> None:
+        self.num_steps += 1
+        self.last_step_duration_s = time.monotonic() - start
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Keep two steps in flight: schedule N+1 (with placeholders for N's samples) while
@@ -183,7 +207,7 @@ class EngineCore:
             # An empty step still goes through the runner thread when it carries finished or
             # preempted ids: the runner must drop their state, in order.
             if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
-                self.batch_queue.append((so, self._runner_thread.submit(
+                self.batch_queue.append((so, self.runner_thread.submit(
                     self.model_runner.execute_model, so)))
                 if len(self.batch_queue) < 2 and not so.is_empty:
                     return []  # fill the pipeline before blocking on a result
@@ -193,8 +217,8 @@ class EngineCore:
         return self.scheduler.update_from_output(so, future.result())
 
     def shutdown(self) -> None:
-        if self._runner_thread is not None:
-            self._runner_thread.shutdown(wait=True, cancel_futures=True)
+        if self.runner_thread is not None:
+            self.runner_thread.shutdown(wait=True, cancel_futures=True)
 
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache_config
