@@ -149,6 +149,9 @@ def default_prefill_pad_multiple(max_num_batched_tokens: int) -> int:
 
 # Dispatch/combine backends of expert-parallel MoE layers (see layers/moe/registry.py).
 ALL2ALL_BACKENDS = ("allgather_reducescatter", "all2all", "all2all_fixed")
+# Dual-batch overlap: never, on every step the thresholds allow, or per step where measured
+# faster on this deployment (see engine/dbo_policy.py).
+DBO_MODES = ("off", "on", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,12 @@ class ParallelConfig:
     all2all_fixed_capacity: int | None = None
     # Seconds a collective may block before the rank gives up (a peer died or hung).
     distributed_timeout_s: float = 120.0
+    # Dual-batch overlap (one of DBO_MODES): split a step into two micro-batches whose MoE
+    # communication overlaps the other's compute, when every rank's batch reaches the
+    # threshold of its kind (a batch of decodes only, or one with prompt tokens).
+    enable_dbo: str = "off"
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
     # Seconds the frontend waits for every engine core to load its model and report ready.
     # Loading a large checkpoint can take minutes; a core silent for this long is dead.
     engine_ready_timeout_s: float = 600.0
@@ -213,6 +222,15 @@ class ParallelConfig:
             )
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        if self.enable_dbo not in DBO_MODES:
+            raise ValueError(f"enable_dbo must be one of {DBO_MODES}, got {self.enable_dbo!r}")
+        if self.enable_dbo != "off" and not self.needs_lockstep:
+            raise ValueError("enable_dbo needs --enable-expert-parallel over more than one rank "
+                             "(--data-parallel-size > 1): it overlaps the experts' all-to-all")
+        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be >= 2 (two non-empty micro-batches), "
+                                 f"got {getattr(self, name)}")
 
     @property
     def local_size(self) -> int:

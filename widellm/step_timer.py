@@ -7,13 +7,18 @@ Phases (seconds, summed over the steps of one rank):
     moe_dispatch    inside forward: MoE dispatch launch + wait (communication)
     moe_experts     inside forward: the routed experts' grouped GEMMs
     moe_combine     inside forward: MoE combine launch + wait (communication)
+    comm_exposed    inside moe_dispatch/moe_combine: time blocked on a transfer (Work.wait)
+    comm_window     for each transfer, the time from its launch to its wait: how long it was
+                    in flight behind other work (an upper bound on the communication hidden)
     sample          logits, sampling, logprobs
     dummy           forward of dummy batches (a rank with no work, in lockstep)
     lockstep_sync   the per-step all-reduce that keeps ranks in lockstep (waiting for peers)
     eplb            EPLB bookkeeping before a forward: load all-reduces, planning, weight moves
 
 Timing is host wall time: exact on CPU; on GPU a phase only measures launch time unless the
-device is synchronised, which the timer does when ``synchronize`` is set.
+device is synchronised, which the timer does when ``synchronize`` is set. Under dual-batch
+overlap a phase entered on a micro-batch thread leaves out the time that thread waited for the
+baton (``away_clock``), so phases add up to the forward's wall time instead of double counting.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -32,18 +37,28 @@ class StepTimer:
     def __init__(self, synchronize: bool = False) -> None:
         self.totals: defaultdict[str, float] = defaultdict(float)
         self._sync = synchronize and on_cuda()
+        # Seconds the calling thread has spent waiting for another micro-batch (see the module
+        # docstring); set by the dual-batch runner for the length of a split forward.
+        self.away_clock: Callable[[], float] = never_away
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         if self._sync:
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, away = time.perf_counter(), self.away_clock()
         try:
             yield
         finally:
             if self._sync:
                 torch.cuda.synchronize()
-            self.totals[name] += time.perf_counter() - start
+            self.totals[name] += time.perf_counter() - start - (self.away_clock() - away)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.totals[name] += seconds
+
+
+def never_away() -> float:
+    return 0.0
 
 
 def maybe_phase(timer: StepTimer | None, name: str) -> contextlib.AbstractContextManager:
@@ -53,13 +68,18 @@ def maybe_phase(timer: StepTimer | None, name: str) -> contextlib.AbstractContex
 
 def summarize(totals: dict[str, float]) -> dict[str, float]:
     """The breakdown in the issue's terms: attention and dense layers, routed experts,
-    communication, idle (dummy batches + lockstep waits), sampling and scheduling."""
+    communication (the MoE exchange stages, packing included; of it, the time blocked on
+    transfers is ``comm_exposed_s``; ``comm_hidden_s`` is the time transfers spent in flight
+    behind other work, an upper bound), idle (dummy batches + lockstep waits), sampling and
+    scheduling."""
     moe = totals.get("moe_dispatch", 0.0) + totals.get("moe_combine", 0.0)
     experts = totals.get("moe_experts", 0.0)
     return {
         "attention_and_dense_s": totals.get("forward", 0.0) - moe - experts,
         "experts_s": experts,
         "communication_s": moe,
+        "comm_exposed_s": totals.get("comm_exposed", 0.0),
+        "comm_hidden_s": totals.get("comm_window", 0.0),
         "idle_s": totals.get("dummy", 0.0) + totals.get("lockstep_sync", 0.0),
         "sample_s": totals.get("sample", 0.0),
         "schedule_s": totals.get("schedule", 0.0),

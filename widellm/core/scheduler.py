@@ -31,6 +31,8 @@ class SchedulerStats:
     # start and the wall time of the latest, which the frontend logs when a request stalls.
     num_steps: int = 0
     last_step_duration_s: float = 0.0
+    # Forwards (real or dummy) run as two overlapped micro-batches (dual-batch overlap).
+    num_dbo_steps: int = 0
 
 
 class Scheduler:

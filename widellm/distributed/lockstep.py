@@ -2,10 +2,13 @@
 
 Every MoE layer is a collective over all ranks, so each rank must run one forward per step
 (a dummy batch when it has no work). Before each step the ranks exchange one vote each, in one
-all-gather on the CPU group: "I have work", "I was told to shut down", and the rows of the
-forward this rank will run (its scheduled and padded tokens, or the dummy batch's). They step
-while any has work and stop together when any is shutting down; every MoE layer of the step
-reads the agreed row counts from the forward context, so no layer agrees on sizes again.
+all-gather on the CPU group: "I have work", "I was told to shut down", the rows of the forward
+this rank will run (its scheduled and padded tokens, or the dummy batch's), whether its batch
+is big enough to split into two micro-batches (dual-batch overlap), and how long its previous
+forward took. They step while any has work and stop together when any is shutting down; every
+MoE layer of the step reads the agreed row counts from the forward context, so no layer agrees
+on sizes again; and they split a step only if no rank's batch is too small (a rank with a dummy
+batch follows the others: vLLM lets any rank veto, but an idle rank has nothing to lose).
 
 Idle ranks keep calling this at a short interval, so a rank that gets a request pulls the
 others in at the next call without any wake-up message (and no "wave" bookkeeping that a late
@@ -14,6 +17,7 @@ message could leave one rank waiting on its own).
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import NamedTuple
 
 import torch
@@ -22,8 +26,17 @@ import torch.distributed as dist
 from widellm.distributed.collectives import all_gather_single
 from widellm.forward_context import DPMetadata
 
-# One vote: [has_work, shutdown, num_tokens].
-_VOTE_FIELDS = 3
+# One vote: [has_work, shutdown, num_tokens, split_vote, previous forward's microseconds].
+_VOTE_FIELDS = 5
+
+
+class SplitVote(IntEnum):
+    """A rank's say on running the step as two micro-batches."""
+
+    NO = 0  # DBO off, or the batch is below its threshold
+    DECODE = 1  # a batch of decodes only, at or above the decode threshold
+    PREFILL = 2  # a batch with prompt tokens, at or above the prefill threshold
+    FOLLOW = 3  # a dummy batch: splits when the others do
 
 
 class StepAgreement(NamedTuple):
@@ -31,6 +44,12 @@ class StepAgreement(NamedTuple):
     any_shutdown: bool
     # What every layer of this step's forward may rely on about the other ranks.
     dp_metadata: DPMetadata
+    # Every rank may split (no NO vote, at least one DECODE or PREFILL); a DBO policy may
+    # still decline (auto), the same way on every rank.
+    split: bool = False
+    any_prefill: bool = False
+    # The slowest rank's previous forward, in microseconds (0: there was none).
+    last_forward_us: int = 0
 
 
 class DPLockstep:
@@ -41,19 +60,28 @@ class DPLockstep:
         # Flat: gloo's all-gather wants the output as one run of equal-size pieces.
         self._votes = torch.zeros(self.size * _VOTE_FIELDS, dtype=torch.int64)
 
-    def sync(self, has_work: bool, shutdown: bool, num_tokens: int) -> StepAgreement:
+    def sync(self, has_work: bool, shutdown: bool, num_tokens: int,
+             split_vote: SplitVote = SplitVote.NO, last_forward_us: int = 0) -> StepAgreement:
         """Collective: every rank must call it once per loop iteration.
 
         Args:
             has_work: this rank has unfinished requests.
             shutdown: this rank was told to stop.
             num_tokens: rows of the forward this rank runs if the ranks step.
+            split_vote: whether this rank's batch may run as two micro-batches.
+            last_forward_us: how long this rank's previous forward took (0: none).
         """
-        self._vote[0], self._vote[1], self._vote[2] = int(has_work), int(shutdown), num_tokens
+        self._vote[:] = torch.tensor(
+            [int(has_work), int(shutdown), num_tokens, int(split_vote), last_forward_us])
         all_gather_single(self._votes, self._vote, group=self.cpu_group)
         votes = self._votes.view(self.size, _VOTE_FIELDS).tolist()
+        splits = [SplitVote(v[3]) for v in votes]
         return StepAgreement(
             any_has_work=any(v[0] for v in votes),
             any_shutdown=any(v[1] for v in votes),
             dp_metadata=DPMetadata(tuple(v[2] for v in votes)),
+            split=(SplitVote.NO not in splits
+                   and any(s in (SplitVote.DECODE, SplitVote.PREFILL) for s in splits)),
+            any_prefill=SplitVote.PREFILL in splits,
+            last_forward_us=max(v[4] for v in votes),
         )

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from widellm.config import (
-    ALL2ALL_BACKENDS, CacheConfig, EngineConfig, EPLBConfig, ModelConfig, ObservabilityConfig,
+    ALL2ALL_BACKENDS, DBO_MODES, CacheConfig, EngineConfig, EPLBConfig, ModelConfig, ObservabilityConfig,
     ParallelConfig, SchedulerConfig, default_prefill_pad_multiple, resolve_dtype,
 )
 from widellm.device import on_cuda
@@ -29,6 +29,13 @@ def parse_size(value: str | int | None) -> int | None:
         raise ValueError(f"kv_cache_memory: cannot parse size {value!r} (e.g. 4GiB, 512MB)")
     unit = (m.group(2) or "").lower().rstrip("b")
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def dbo_mode(value: str | bool) -> str:
+    """``LLM(enable_dbo=True)`` reads as on, False as off; strings pass as they are."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
 
 
 @dataclass
@@ -83,6 +90,17 @@ class EngineArgs:
     all2all_fixed_capacity: int | None = field(default=None, metadata={
         "help": "rows per rank pair of the all2all_fixed buffers (default: enough for any "
                 "decode step; larger batches spill through a checked second round)"})
+    enable_dbo: str | bool = field(default="off", metadata={
+        "help": "dual-batch overlap under expert parallelism: each step runs as two "
+                "micro-batches, one's MoE all-to-all overlapping the other's compute; "
+                "--enable-dbo turns it on, --enable-dbo auto decides per step from the step "
+                "times measured with and without it", "choices": DBO_MODES, "nargs": "?",
+        "const": "on"})
+    dbo_decode_token_threshold: int = field(default=32, metadata={
+        "help": "DBO splits a batch of decodes only when every rank has at least this many "
+                "tokens (a rank without work follows the others)"})
+    dbo_prefill_token_threshold: int = field(default=512, metadata={
+        "help": "DBO splits a batch with prompt tokens when every rank has at least this many"})
     distributed_timeout_s: float = field(default=120.0, metadata={
         "help": "seconds a collective may wait for a peer before the rank fails"})
     engine_ready_timeout_s: float = field(default=600.0, metadata={
@@ -117,8 +135,9 @@ class EngineArgs:
                                     default=f.default, help=helptext)
             else:
                 kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
+                extra = {k: f.metadata[k] for k in ("nargs", "const") if k in f.metadata}
                 parser.add_argument(flag, type=kind, default=f.default, help=helptext,
-                                    choices=f.metadata.get("choices"))
+                                    choices=f.metadata.get("choices"), **extra)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -175,6 +194,9 @@ class EngineArgs:
                 all2all_backend=self.all2all_backend,
                 all2all_fixed_capacity=self.all2all_fixed_capacity,
                 distributed_timeout_s=self.distributed_timeout_s,
+                enable_dbo=dbo_mode(self.enable_dbo),
+                dbo_decode_token_threshold=self.dbo_decode_token_threshold,
+                dbo_prefill_token_threshold=self.dbo_prefill_token_threshold,
                 engine_ready_timeout_s=self.engine_ready_timeout_s,
             ),
             eplb_config=EPLBConfig(

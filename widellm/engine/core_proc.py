@@ -246,8 +246,7 @@ class _CoreLoop:
             # Scheduled before the vote: the vote carries the forward's row count.
             step = core.plan_step()
             with maybe_phase(core.step_timer, "lockstep_sync"):
-                state = self.lockstep.sync(step.has_work, self.shutdown_requested,
-                                           step.num_rows)
+                state = core.vote_step(self.lockstep, step, self.shutdown_requested)
             if state.any_shutdown:
                 return
             in_wave = state.any_has_work
@@ -255,7 +254,7 @@ class _CoreLoop:
                 self._send_stats_if_dirty()
                 core.model_runner.warm_next_size()  # local work only, no collective
                 continue
-            outputs = core.run_planned_step(step, state.dp_metadata)
+            outputs = core.run_planned_step(step, state)
             if step.has_work:
                 self._stepped(outputs)
 

@@ -21,7 +21,8 @@ from widellm.core.scheduler import Scheduler, SchedulerStats
 from widellm.core.scheduler_output import SchedulerOutput
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.distributed.groups import DPGroups
-from widellm.forward_context import DPMetadata
+from widellm.distributed.lockstep import DPLockstep, StepAgreement
+from widellm.engine.dbo_policy import DboPolicy
 from widellm.engine.kv_budget import plan_num_blocks
 from widellm.sampling_params import SamplingParams
 from widellm.step_timer import StepTimer, maybe_phase
@@ -103,6 +104,7 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Steps taken and the wall time of the latest, reported with the scheduler stats.
         self.num_steps = 0
+        self.num_dbo_steps = 0
         self.last_step_duration_s = 0.0
         # Async scheduling: steps submitted to the runner thread, oldest first. With
         # lockstep the loop keeps its own queue (of voted steps) on the same thread: that one
@@ -112,6 +114,11 @@ class EngineCore:
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="widellm-runner")
             if self.async_scheduling else None
         )
+        # Lockstep: whether steps split into micro-batches, and the previous forward's time
+        # in microseconds, which the next vote reports (written and read by the one thread
+        # that votes and runs forwards).
+        self.dbo_policy = DboPolicy(pc)
+        self._last_forward_us = 0
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(
@@ -135,7 +142,8 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         """The scheduler's numbers plus the step counters the frontend's stall check logs."""
         return dataclasses.replace(self.scheduler.make_stats(), num_steps=self.num_steps,
-                                   last_step_duration_s=self.last_step_duration_s)
+                                   last_step_duration_s=self.last_step_duration_s,
+                                   num_dbo_steps=self.num_dbo_steps)
 
     def _step(self) -> list[EngineCoreOutput]:
         if self.lockstep:
@@ -167,14 +175,29 @@ class EngineCore:
         async scheduling this runs on the runner thread, after the previous step sampled."""
         return PlannedStep(so, self.model_runner.prepare_model_input(so) if so else None)
 
+    def vote_step(self, lockstep: DPLockstep, step: PlannedStep,
+                  shutdown: bool) -> StepAgreement:
+        """The ranks' vote on ``step`` (a collective), with the split decision every rank
+        takes from it (see ``engine/dbo_policy.py``)."""
+        agreement = lockstep.sync(step.has_work, shutdown, step.num_rows,
+                                  self.dbo_policy.vote(step.model_input), self._last_forward_us)
+        self._last_forward_us = 0
+        return agreement._replace(split=self.dbo_policy.decide(agreement))
+
     def forward_planned_step(self, step: PlannedStep,
-                             dp_metadata: DPMetadata) -> ModelRunnerOutput | None:
+                             agreement: StepAgreement) -> ModelRunnerOutput | None:
         """Run ``step``'s forward (a dummy batch when it holds none) as the ranks agreed."""
-        if step.model_input is None:
-            self.model_runner.execute_dummy_batch(dp_metadata)
-        if step.scheduler_output is None:
-            return None
-        return self.model_runner.run_model_input(step.model_input, dp_metadata)
+        start = time.perf_counter()
+        self.num_dbo_steps += agreement.split
+        try:
+            if step.model_input is None:
+                self.model_runner.execute_dummy_batch(agreement.dp_metadata, agreement.split)
+            if step.scheduler_output is None:
+                return None
+            return self.model_runner.run_model_input(step.model_input, agreement.dp_metadata,
+                                                     agreement.split)
+        finally:
+            self._last_forward_us = int((time.perf_counter() - start) * 1e6)
 
     def finish_step(self, so: SchedulerOutput,
                     runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -183,10 +206,10 @@ class EngineCore:
             return self.scheduler.update_from_output(so, runner_output)
 
     def run_planned_step(self, step: PlannedStep,
-                         dp_metadata: DPMetadata) -> list[EngineCoreOutput]:
+                         agreement: StepAgreement) -> list[EngineCoreOutput]:
         """Run ``step`` (a dummy batch when it holds no forward) as the ranks agreed."""
         start = time.monotonic()
-        runner_output = self.forward_planned_step(step, dp_metadata)
+        runner_output = self.forward_planned_step(step, agreement)
         if runner_output is None:
             return []
         try:
@@ -219,6 +242,7 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.runner_thread is not None:
             self.runner_thread.shutdown(wait=True, cancel_futures=True)
+        self.model_runner.shutdown()
 
     def _determine_num_blocks(self) -> int:
         cc = self.config.cache_config

@@ -92,11 +92,10 @@ class LockstepPipeline:
         core = self.core
         step = core.prepare_step(so)
         with maybe_phase(core.step_timer, "lockstep_sync"):
-            agreement = self.lockstep.sync(step.has_work, shutdown_requested, step.num_rows)
+            agreement = core.vote_step(self.lockstep, step, shutdown_requested)
         if agreement.any_shutdown:
             self._agreed_shutdown = True
             return VotedStep(so, agreement, None, start)
         if not agreement.any_has_work:
             return VotedStep(so, agreement, None, start)
-        return VotedStep(so, agreement, core.forward_planned_step(step, agreement.dp_metadata),
-                         start)
+        return VotedStep(so, agreement, core.forward_planned_step(step, agreement), start)

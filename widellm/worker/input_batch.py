@@ -7,6 +7,7 @@ and output tokens as the runner knows them (it appends what it samples itself).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,3 +72,24 @@ def build_batch_inputs(
         block_table=block_table,
         sample_rows=sample_rows,
     )
+
+
+@dataclass
+class ModelInput:
+    """One step's forward inputs, built before the lockstep vote (which carries its rows).
+
+    Attributes:
+        batch: the flattened requests.
+        attn_metadata: the attention metadata, padded to ``num_rows``.
+        input_ids: ``[num_rows]`` int64, padding rows token 0.
+        positions: ``[num_rows]`` int64, padding rows position 0.
+    """
+
+    batch: BatchInputs
+    attn_metadata: Any
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]

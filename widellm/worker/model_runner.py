@@ -10,8 +10,6 @@ import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,11 +29,15 @@ from widellm.model.loader import build_model
 from widellm.ops.cpu_kernels import load_cpu_kernels
 from widellm.step_timer import StepTimer, maybe_phase
 from widellm.worker.cpu_allocator import keep_freed_memory
+from widellm.worker.dbo_runner import DualBatchRunner
 from widellm.worker.eplb_controller import EplbController
-from widellm.worker.input_batch import BatchInputs, CachedRequestState, build_batch_inputs
+from widellm.worker.input_batch import (
+    BatchInputs, CachedRequestState, ModelInput, build_batch_inputs,
+)
 from widellm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from widellm.worker.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
 from widellm.worker.sampling_metadata import SamplingMetadata
+from widellm.worker.ubatch_split import split_dummy_batch, split_model_input
 
 logger = logging.getLogger(__name__)
 
@@ -47,27 +49,6 @@ _CORE_SEED_TAG = b"widellm-engine-core-seed"
 _SEED_MASK = (1 << 63) - 1
 # Rows of the forward a rank without work runs in lockstep: one padding token.
 DUMMY_BATCH_ROWS = 1
-
-
-@dataclass
-class ModelInput:
-    """One step's forward inputs, built before the lockstep vote (which carries its rows).
-
-    Attributes:
-        batch: the flattened requests.
-        attn_metadata: the attention metadata, padded to ``num_rows``.
-        input_ids: ``[num_rows]`` int64, padding rows token 0.
-        positions: ``[num_rows]`` int64, padding rows position 0.
-    """
-
-    batch: BatchInputs
-    attn_metadata: Any
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-
-    @property
-    def num_rows(self) -> int:
-        return self.input_ids.shape[0]
 
 
 def engine_core_seed(seed: int, dp_rank: int) -> int:
@@ -117,6 +98,10 @@ class ModelRunner:
         # Padded prompt-step sizes whose kernels are not built yet (see warm_next_size).
         self.sizes_to_warm: list[int] = []
         self.eplb: EplbController | None = None
+        # Dual-batch overlap: the micro-batch threads, when the deployment may split steps.
+        self.dbo = (DualBatchRunner(self.model)
+                    if self.ep_size is not None and config.parallel_config.enable_dbo != "off"
+                    else None)
         if ep is not None and ep.enable_eplb:
             pc = config.parallel_config
             num_nodes = max(1, pc.data_parallel_size // pc.local_size)
@@ -134,11 +119,12 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput,
-                      dp_metadata: DPMetadata | None = None) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, dp_metadata: DPMetadata | None = None,
+                      split: bool = False) -> ModelRunnerOutput:
         """Apply ``so`` and run its forward; under expert parallelism ``dp_metadata`` is what
-        the ranks agreed for this step (see :meth:`prepare_model_input`)."""
-        return self.run_model_input(self.prepare_model_input(so), dp_metadata)
+        the ranks agreed for this step (see :meth:`prepare_model_input`) and ``split`` whether
+        they agreed to run it as two overlapped micro-batches."""
+        return self.run_model_input(self.prepare_model_input(so), dp_metadata, split)
 
     def prepare_model_input(self, so: SchedulerOutput) -> ModelInput | None:
         """Apply ``so`` to the request states and build its forward inputs (None when nothing
@@ -161,8 +147,8 @@ class ModelRunner:
         return ModelInput(batch, md, input_ids, positions)
 
     @torch.inference_mode()
-    def run_model_input(self, inp: ModelInput | None,
-                        dp_metadata: DPMetadata | None = None) -> ModelRunnerOutput:
+    def run_model_input(self, inp: ModelInput | None, dp_metadata: DPMetadata | None = None,
+                        split: bool = False) -> ModelRunnerOutput:
         if inp is None:
             return ModelRunnerOutput([], {}, [])
         if self.test_step_sleep_s:
@@ -170,9 +156,14 @@ class ModelRunner:
         timer = self.step_timer
         self._before_forward()
         dp_metadata = self._dp_metadata(inp.num_rows, dp_metadata)
-        with maybe_phase(timer, "forward"), set_forward_context(inp.attn_metadata, timer,
-                                                                dp_metadata):
-            hidden = self.model(inp.input_ids, inp.positions)
+        if split:
+            ubatches = split_model_input(inp, self.block_size, self.decode_in_place, dp_metadata)
+            with maybe_phase(timer, "forward"):
+                hidden = self._dual_batch().run(ubatches, timer)
+        else:
+            with maybe_phase(timer, "forward"), set_forward_context(inp.attn_metadata, timer,
+                                                                    dp_metadata):
+                hidden = self.model(inp.input_ids, inp.positions)
         with maybe_phase(timer, "sample"):
             return self._sample(inp.batch, hidden)
 
@@ -204,17 +195,31 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_dummy_batch(self, dp_metadata: DPMetadata | None = None) -> None:
+    def execute_dummy_batch(self, dp_metadata: DPMetadata | None = None,
+                            split: bool = False) -> None:
         """``DUMMY_BATCH_ROWS`` padding tokens through the model, touching no request and no KV
         slot: what a rank without work runs so the other ranks' expert-parallel collectives
-        complete."""
+        complete (as two micro-batches of as many rows when the ranks split the step)."""
         self._before_forward()
         dp_metadata = self._dp_metadata(DUMMY_BATCH_ROWS, dp_metadata)
+        if split:
+            with maybe_phase(self.step_timer, "dummy"):
+                self._dual_batch().run(split_dummy_batch(DUMMY_BATCH_ROWS, dp_metadata), None)
+            return
         zeros = torch.zeros(DUMMY_BATCH_ROWS, dtype=torch.int64)
         # Not timed inside: its MoE communication is idle time, not this rank's own traffic.
         with maybe_phase(self.step_timer, "dummy"), set_forward_context(
                 dummy_attention_metadata(DUMMY_BATCH_ROWS), dp_metadata=dp_metadata):
             self.model(zeros, zeros)
+
+    def _dual_batch(self) -> DualBatchRunner:
+        if self.dbo is None:
+            raise ValueError("a split step needs --enable-dbo (on or auto)")
+        return self.dbo
+
+    def shutdown(self) -> None:
+        if self.dbo is not None:
+            self.dbo.shutdown()
 
     def _dp_metadata(self, num_rows: int, agreed: DPMetadata | None) -> DPMetadata | None:
         """The step's agreement, checked against this rank's forward; None on one rank."""

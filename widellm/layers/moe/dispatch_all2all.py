@@ -26,13 +26,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from widellm.forward_context import dbo_yield
+from widellm.layers.moe.comm_tracking import TrackedWork, track
 from widellm.layers.moe.dispatch import CombineHandle, DispatchedTokens, DispatchHandle
 from widellm.layers.moe.dispatch_ep import ExpertParallelDispatcher, RowCodec, gather_weighted_sum
 
 
 @dataclass
 class _All2AllDispatchHandle(DispatchHandle):
-    counts_work: dist.Work
+    counts_work: TrackedWork
     # [ep_size] int64 rows this rank sends each rank, and (once counts_work is done) receives.
     send_counts: torch.Tensor
     recv_counts: torch.Tensor
@@ -64,7 +66,7 @@ class _All2AllDispatchHandle(DispatchHandle):
 
 @dataclass
 class _All2AllCombineHandle(CombineHandle):
-    work: dist.Work
+    work: TrackedWork
     # [n_send, H] fp32 partial sums for the rows this rank sent, in send order.
     back: torch.Tensor
     dispatch: _All2AllDispatchHandle
@@ -96,8 +98,8 @@ class All2AllDispatcher(ExpertParallelDispatcher):
         needs = needs[:, :self.ep_size]
         send_counts = needs.sum(0)
         recv_counts = torch.empty_like(send_counts)
-        counts_work = dist.all_to_all_single(recv_counts, send_counts, group=self.group,
-                                             async_op=True)
+        counts_work = track(dist.all_to_all_single(recv_counts, send_counts, group=self.group,
+                                                   async_op=True))
         codec = RowCodec(hidden_states.shape[-1], hidden_states.dtype, num_slots=top_k)
         return _All2AllDispatchHandle(
             counts_work=counts_work, send_counts=send_counts, recv_counts=recv_counts,
@@ -123,8 +125,10 @@ class All2AllDispatcher(ExpertParallelDispatcher):
         handle.counts_work.wait()
         send_splits, recv_splits = handle.send_counts.tolist(), handle.recv_counts.tolist()
         recv = codec.empty(sum(recv_splits), send.device)
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group,
-                               async_op=True).wait()
+        rows_work = track(dist.all_to_all_single(recv, send, recv_splits, send_splits,
+                                                 group=self.group, async_op=True))
+        dbo_yield()  # the rows travel while the other micro-batch computes
+        rows_work.wait()
         handle.recv, handle.sent_tokens = recv, tokens
         handle.send_splits, handle.recv_splits = send_splits, recv_splits
         num_rows, top_k = recv.shape[0], codec.num_slots
@@ -145,8 +149,8 @@ class All2AllDispatcher(ExpertParallelDispatcher):
         partial = gather_weighted_sum(expert_output, slot_rows.view(num_rows, top_k),
                                       handle.codec.weights(handle.recv))
         back = partial.new_empty(sum(handle.send_splits), partial.shape[-1])
-        work = dist.all_to_all_single(back, partial, handle.send_splits, handle.recv_splits,
-                                      group=self.group, async_op=True)
+        work = track(dist.all_to_all_single(back, partial, handle.send_splits,
+                                            handle.recv_splits, group=self.group, async_op=True))
         return _All2AllCombineHandle(work=work, back=back, dispatch=handle)
 
     def combine_wait(self, handle: CombineHandle) -> torch.Tensor:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from widellm.layers.moe.comm_tracking import TrackedWork, track
 from widellm.layers.moe.dispatch import CombineHandle, DispatchedTokens, DispatchHandle
 from widellm.layers.moe.dispatch_ep import (
     DestinationOrder,
@@ -49,7 +50,7 @@ from widellm.layers.moe.dispatch_ep import (
 
 @dataclass
 class _FixedDispatchHandle(DispatchHandle):
-    work: dist.Work
+    work: TrackedWork
     codec: RowCodec
     # [ep_size * capacity, row_bytes] packed rows received, `capacity` per source rank.
     recv: torch.Tensor
@@ -63,17 +64,17 @@ class _FixedDispatchHandle(DispatchHandle):
     weights: torch.Tensor
     # Dynamic check only: [1] int64 max over ranks of pairs that did not fit, and its work.
     overflow: torch.Tensor | None
-    overflow_work: dist.Work | None
+    overflow_work: TrackedWork | None
     # Set by dispatch_wait when some rank overflowed.
     spill: VariableExchange | None = None
 
 
 @dataclass
 class _FixedCombineHandle(CombineHandle):
-    work: dist.Work
+    work: TrackedWork
     # [ep_size * capacity + 1, H] outputs of the rows this rank sent; the last row stays zero.
     back: torch.Tensor
-    spill_work: dist.Work | None
+    spill_work: TrackedWork | None
     # [n_spilled + 1, H] outputs of the spilled pairs, in spill order, then a zero row.
     spill_back: torch.Tensor | None
     dispatch: _FixedDispatchHandle
@@ -161,11 +162,11 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
             )
         else:
             overflow = not_fitting
-            overflow_work = dist.all_reduce(
+            overflow_work = track(dist.all_reduce(
                 overflow, op=dist.ReduceOp.MAX, group=self.group, async_op=True
-            )
+            ))
         recv = codec.empty(num_rows, device)
-        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        work = track(dist.all_to_all_single(recv, send, group=self.group, async_op=True))
         return _FixedDispatchHandle(
             work=work, codec=codec, recv=recv, pair_rows=pair_rows, routing=routing,
             hidden_states=hidden_states, topk_ids=topk_ids, weights=weights,
@@ -208,9 +209,9 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         num_rows = self.ep_size * self.capacity
         back = expert_output.new_empty(num_rows + 1, expert_output.shape[-1])
         back[num_rows].zero_()
-        work = dist.all_to_all_single(
+        work = track(dist.all_to_all_single(
             back[:num_rows], expert_output[:num_rows].contiguous(), group=self.group, async_op=True
-        )
+        ))
         spill_back = spill_work = None
         if handle.spill is not None:
             spill_back, spill_work = return_rows(expert_output[num_rows:], handle.spill, self.group)

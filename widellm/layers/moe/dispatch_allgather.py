@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 
 from widellm.distributed.collectives import all_gather_single, reduce_scatter_single
+from widellm.layers.moe.comm_tracking import TrackedWork, track
 from widellm.layers.moe.dispatch import CombineHandle, DispatchedTokens, DispatchHandle
 from widellm.layers.moe.dispatch_ep import ExpertParallelDispatcher, RowCodec
 
 
 @dataclass
 class _AllGatherDispatchHandle(DispatchHandle):
-    work: dist.Work
+    work: TrackedWork
     codec: RowCodec
     # [ep_size * max_tokens, row_bytes] every rank's packed tokens, rank r's at r * max_tokens.
     gathered: torch.Tensor
@@ -42,7 +43,7 @@ class _AllGatherDispatchHandle(DispatchHandle):
 
 @dataclass
 class _AllGatherCombineHandle(CombineHandle):
-    work: dist.Work
+    work: TrackedWork
     # [max_tokens, H] fp32 sums for this rank's tokens (once work is done).
     summed: torch.Tensor
     num_tokens: int
@@ -74,7 +75,7 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
         codec.ids(send)[:num_tokens] = topk_ids
         codec.weights(send)[:num_tokens] = self.masked_weights(topk_ids, topk_weights)
         gathered = codec.empty(self.ep_size * max_tokens, device)
-        work = all_gather_single(gathered, send, group=self.group, async_op=True)
+        work = track(all_gather_single(gathered, send, group=self.group, async_op=True))
         return _AllGatherDispatchHandle(
             work=work, codec=codec, gathered=gathered, num_tokens=num_tokens,
             max_tokens=max_tokens, out_dtype=hidden_states.dtype,
@@ -106,7 +107,7 @@ class AllGatherDispatcher(ExpertParallelDispatcher):
         # bf16 rows times fp32 weights promote to fp32: weighted in fp32 with one temporary.
         partial.index_add_(0, handle.token_index, expert_output * handle.row_weights.unsqueeze(1))
         summed = partial.new_empty(handle.max_tokens, hidden_size)
-        work = reduce_scatter_single(summed, partial, group=self.group, async_op=True)
+        work = track(reduce_scatter_single(summed, partial, group=self.group, async_op=True))
         return _AllGatherCombineHandle(
             work=work, summed=summed, num_tokens=handle.num_tokens, out_dtype=handle.out_dtype
         )

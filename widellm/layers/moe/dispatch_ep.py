@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from widellm.distributed.collectives import all_gather_single
+from widellm.layers.moe.comm_tracking import TrackedWork, track
 from widellm.layers.moe.dispatch import MoEDispatcher
 
 # Packed rows keep every field aligned for ``Tensor.view(dtype)``: 8 bytes covers the int64
@@ -182,7 +183,7 @@ class VariableExchange:
         recv_splits: rows received from each rank; the combine sends this many back to each.
     """
 
-    work: dist.Work
+    work: TrackedWork
     recv: torch.Tensor
     positions: torch.Tensor
     send_splits: list[int]
@@ -213,7 +214,8 @@ def exchange_rows(
         send_counts: ``[ep_size]`` int64 pairs per destination rank.
     """
     recv_counts = torch.empty_like(send_counts)
-    counts_work = dist.all_to_all_single(recv_counts, send_counts, group=group, async_op=True)
+    counts_work = track(dist.all_to_all_single(recv_counts, send_counts, group=group,
+                                               async_op=True))
     send_splits = send_counts.tolist()
     positions = positions[:sum(send_splits)]
     send = codec.empty(positions.numel(), hidden_states.device)
@@ -223,7 +225,8 @@ def exchange_rows(
     counts_work.wait()
     recv_splits = recv_counts.tolist()
     recv = codec.empty(sum(recv_splits), hidden_states.device)
-    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
+    work = track(dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group,
+                                        async_op=True))
     return VariableExchange(
         work=work, recv=recv, positions=positions, send_splits=send_splits, recv_splits=recv_splits
     )
@@ -231,7 +234,7 @@ def exchange_rows(
 
 def return_rows(
     expert_output: torch.Tensor, exchange: VariableExchange, group: dist.ProcessGroup
-) -> tuple[torch.Tensor, dist.Work]:
+) -> tuple[torch.Tensor, TrackedWork]:
     """Send expert outputs back along ``exchange``'s reversed splits.
 
     Returns:
@@ -242,10 +245,10 @@ def return_rows(
     num_sent = sum(exchange.send_splits)
     back = expert_output.new_empty(num_sent + 1, expert_output.shape[-1])
     back[num_sent].zero_()
-    work = dist.all_to_all_single(
+    work = track(dist.all_to_all_single(
         back[:num_sent], expert_output.contiguous(), exchange.send_splits, exchange.recv_splits,
         group=group, async_op=True,
-    )
+    ))
     return back, work
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.eplb.placement import ExpertPlacement
 from widellm.eplb.routing import logical_to_physical_ids
-from widellm.forward_context import current_forward_context
+from widellm.forward_context import current_forward_context, dbo_yield
 from widellm.layers.moe.dispatch import (
     SKIP_EXPERT_ID, DispatchedTokens, DispatchHandle, MoEDispatcher,
 )
@@ -281,7 +281,9 @@ class FusedMoE(nn.Module):
         """Routed-expert output of each token, plus the shared experts' when given.
 
         The stages below run in order; the shared experts (local compute) run while the
-        dispatch is in flight, between its launch and its wait.
+        dispatch is in flight, between its launch and its wait. After each launch the layer
+        hands over to the other micro-batch under dual-batch overlap (``dbo_yield``), so
+        this one function is also the op sequence DBO interleaves.
 
         Args:
             hidden_states: ``[T, H]`` in the weights' dtype; expert math stays in it.
@@ -297,6 +299,7 @@ class FusedMoE(nn.Module):
         timer = _timer()
         with maybe_phase(timer, "moe_dispatch"):
             dispatch_handle = self.dispatch_launch(hidden_states, topk_ids, topk_weights)
+        dbo_yield()  # dual-batch overlap: the other micro-batch computes while tokens travel
         shared = shared_experts(hidden_states) if shared_experts is not None else None
         with maybe_phase(timer, "moe_dispatch"):
             tokens = self.dispatcher.dispatch_wait(dispatch_handle)
@@ -304,6 +307,8 @@ class FusedMoE(nn.Module):
             expert_output = self.run_experts(tokens)
         with maybe_phase(timer, "moe_combine"):
             combine_handle = self.dispatcher.combine_launch(expert_output, dispatch_handle)
+        dbo_yield()
+        with maybe_phase(timer, "moe_combine"):
             routed = self.dispatcher.combine_wait(combine_handle)
         return routed if shared is None else routed + shared
 

@@ -1,0 +1,70 @@
+"""Dual-batch overlap end to end: with every step split into two interleaved micro-batches,
+greedy fp32 outputs equal DBO off and one rank, token for token, for every backend at DP2 and
+DP4 on tiny DeepSeek-V3 and Qwen3-MoE, under the uneven load of test_wide_ep (one rank with
+most requests, one with none at DP4, prompts of 5-300 tokens so ranks go idle at different
+steps and run split dummy batches). A small step budget chunks the prompts, so micro-batch
+cuts fall inside prompt chunks; the stats prove the steps did split."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.test_models_vs_hf import MAX_NEW_TOKENS
+from tests.e2e.test_wide_ep import BACKENDS, PLACEMENT, generate, reference  # noqa: F401
+from widellm.engine.llm import LLM
+from widellm.sampling_params import SamplingParams
+
+# Thresholds at their minimum, so decode steps of 2+ tokens and every prompt step split.
+SPLIT_ALWAYS = dict(enable_dbo=True, dbo_decode_token_threshold=2,
+                    dbo_prefill_token_threshold=2)
+# Prompt chunks of at most this many tokens: the 300-token prompt spans several steps and
+# each step's cut falls inside a chunk.
+STEP_BUDGET = 96
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dbo_equals_dbo_off_and_single_rank(reference, backend, dp):
+    path, prompts, expected = reference
+    ep = dict(data_parallel_size=dp, enable_expert_parallel=True, all2all_backend=backend,
+              max_num_batched_tokens=STEP_BUDGET)
+    assert generate(path, prompts, PLACEMENT[dp], **ep) == expected
+    assert _generate_counting_splits(path, prompts, PLACEMENT[dp], **ep, **SPLIT_ALWAYS) == expected
+
+
+def test_dbo_with_async_scheduling_equals_single_rank(reference):
+    path, prompts, expected = reference
+    got = _generate_counting_splits(
+        path, prompts, PLACEMENT[2], data_parallel_size=2, enable_expert_parallel=True,
+        all2all_backend="all2all", max_num_batched_tokens=STEP_BUDGET, async_scheduling=True,
+        **SPLIT_ALWAYS)
+    assert got == expected
+
+
+def test_dbo_auto_equals_single_rank(reference):
+    """auto measures both settings (it alternates per kind of step until it has samples of
+    each), so some steps split and some do not; outputs stay those of one rank."""
+    path, prompts, expected = reference
+    got = _generate_counting_splits(
+        path, prompts, PLACEMENT[2], data_parallel_size=2, enable_expert_parallel=True,
+        all2all_backend="allgather_reducescatter", max_num_batched_tokens=STEP_BUDGET,
+        enable_dbo="auto", dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2,
+        expect_all_split=False)
+    assert got == expected
+
+
+def _generate_counting_splits(path, prompts, ranks, expect_all_split=True, **engine_kwargs):
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    with LLM(path, dtype="float32", num_kv_blocks=256, **engine_kwargs) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False, data_parallel_rank=ranks)
+        stats = llm.llm_engine.client.last_stats
+    split = {rank: s.num_dbo_steps for rank, s in stats.items()}
+    steps = {rank: s.num_steps for rank, s in stats.items()}
+    # (Each rank's stats are those of its last output, so counts differ between ranks.)
+    if expect_all_split:
+        # Single-token decode steps are the only ones below the thresholds: at most the
+        # steps after all but one request on every rank finished.
+        assert all(split[r] >= steps[r] // 2 for r in split), (split, steps)
+    else:
+        assert all(0 < split[r] < steps[r] for r in split), (split, steps)
+    return [o.outputs[0].token_ids for o in outs]
