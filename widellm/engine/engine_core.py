@@ -99,7 +99,9 @@ class EngineCore:
         self.model_runner.initialize_kv_cache(num_blocks)
         sc = config.scheduler_config
         # The shapes of a full prefill step and of a full decode step.
-        self.model_runner.warmup([sc.max_num_batched_tokens, sc.max_num_seqs])
+        # (A decode step has at most max_num_seqs rows and never more than the token budget.)
+        self.model_runner.warmup([sc.max_num_batched_tokens,
+                                  min(sc.max_num_seqs, sc.max_num_batched_tokens)])
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Steps taken and the wall time of the latest, reported with the scheduler stats.
