@@ -1,4 +1,5 @@
-"""``--dtype auto``: bf16 only where the CPU has native bf16 matmuls."""
+"""Engine configuration: ``--dtype auto`` (bf16 only where the CPU has native bf16 matmuls) and
+the dual-batch-overlap flags."""
 
 from __future__ import annotations
 
@@ -35,3 +36,31 @@ def test_named_dtypes_and_errors():
     assert resolve_dtype(torch.float16) is torch.float16
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("int8")
+
+
+def test_dbo_flags_take_vllms_names_and_an_auto_mode():
+    import argparse
+
+    from widellm.config import ParallelConfig
+    from widellm.engine.arg_utils import EngineArgs, dbo_mode
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+
+    def mode(*argv: str) -> str:
+        return dbo_mode(EngineArgs.from_cli_args(parser.parse_args(list(argv))).enable_dbo)
+
+    assert mode() == "off"
+    assert mode("--enable-dbo") == "on"
+    assert mode("--enable-dbo", "auto") == "auto"
+    assert mode("--enable-dbo", "off") == "off"
+    args = parser.parse_args(["--dbo-decode-token-threshold", "64"])
+    assert (args.dbo_decode_token_threshold, args.dbo_prefill_token_threshold) == (64, 512)
+    assert (dbo_mode(True), dbo_mode(False)) == ("on", "off")  # LLM(enable_dbo=True)
+    with pytest.raises(ValueError, match="enable_dbo needs --enable-expert-parallel"):
+        ParallelConfig(data_parallel_size=2, enable_dbo="on")
+    with pytest.raises(ValueError, match="enable_dbo must be one of"):
+        ParallelConfig(data_parallel_size=2, enable_expert_parallel=True, enable_dbo="yes")
+    with pytest.raises(ValueError, match="dbo_decode_token_threshold must be >= 2"):
+        ParallelConfig(data_parallel_size=2, enable_expert_parallel=True, enable_dbo="on",
+                       dbo_decode_token_threshold=1)

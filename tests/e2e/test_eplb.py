@@ -39,15 +39,20 @@ def skewed(tmp_path_factory):
     return path, _generate(path)[0]
 
 
-@pytest.mark.parametrize("dp,async_scheduling", [(2, False), (4, False), (2, True)],
-                         ids=["dp2", "dp4", "dp2-async"])
-def test_eplb_rebalances_mid_generation_with_equal_outputs(skewed, dp, async_scheduling):
+# Every step with two or more tokens on each rank runs as two micro-batches.
+DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)
+
+
+@pytest.mark.parametrize("dp,extra", [(2, {}), (4, {}), (2, {"async_scheduling": True}),
+                                      (2, {"async_scheduling": True, **DBO})],
+                         ids=["dp2", "dp4", "dp2-async", "dp2-async-dbo"])
+def test_eplb_rebalances_mid_generation_with_equal_outputs(skewed, dp, extra):
     """With async scheduling EPLB's weight moves run on the runner thread, between the
-    forwards, in the same step order on every rank."""
+    forwards, in the same step order on every rank; with DBO both micro-batches of a step
+    route with the placement of that step."""
     path, expected = skewed
     got, stats = _generate(
-        path, data_parallel_size=dp, enable_expert_parallel=True, enable_eplb=True,
-        async_scheduling=async_scheduling,
+        path, data_parallel_size=dp, enable_expert_parallel=True, enable_eplb=True, **extra,
         eplb_num_redundant_experts=REDUNDANT, eplb_window_size=WINDOW,
         eplb_step_interval=INTERVAL, eplb_log_balancedness=True,
     )

@@ -30,6 +30,9 @@ NUM_REQUESTS = 16
 MAX_TOKENS = 12
 EP_FLAGS = ["--enable-expert-parallel", "--all2all-backend", "all2all"]
 DEATH_TIMEOUT_S = 15.0
+# Dual-batch overlap on every step that has two tokens or more on each rank.
+DBO_FLAGS = ["--enable-dbo", "--dbo-decode-token-threshold", "2",
+             "--dbo-prefill-token-threshold", "2"]
 
 
 def _prompts() -> list[list[int]]:
@@ -51,10 +54,10 @@ def _concurrent_completions(url: str) -> list[str]:
                            timeout=REQUEST_TIMEOUT_S)
 
     def one(prompt: list[int]) -> str:
-        out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
-                                        max_tokens=MAX_TOKENS, temperature=0,
-                                        extra_body={"ignore_eos": True})
-        return out.choices[0].text
+        stream = client.completions.create(model=client.models.list().data[0].id,
+                                           prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
 
     with concurrent.futures.ThreadPoolExecutor(NUM_REQUESTS) as pool:
         return list(pool.map(one, _prompts()))
@@ -73,7 +76,8 @@ def _engine_core_pids(server: ServerProcess) -> list[int]:
 @pytest.fixture(scope="module")
 def dp2_server(model_dir, tmp_path_factory):
     server = ServerProcess(model_dir(ARCH), tmp_path_factory.mktemp("dp2") / "server.log",
-                           ["--data-parallel-size", "2", *EP_FLAGS, "--async-scheduling"])
+                           ["--data-parallel-size", "2", *EP_FLAGS, "--async-scheduling",
+                            *DBO_FLAGS])
     try:
         server.wait_ready()
         yield server
@@ -88,6 +92,8 @@ def test_dp2_ep_serve_equals_single_rank(dp2_server, expected):
     assert sorted(finished) == ["0", "1"] and all(v > 0 for v in finished.values())
     usage = _rank_samples(dp2_server, "widellm:kv_cache_usage_perc")
     assert usage == {"0": 0.0, "1": 0.0}
+    dbo = _rank_samples(dp2_server, "widellm:dbo_steps_total")
+    assert sorted(dbo) == ["0", "1"] and all(v > 0 for v in dbo.values()), dbo
 
 
 def test_disconnect_frees_the_rank_that_held_the_request(dp2_server):

@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> dict:
     per_rank, ranks_rss = _rank_breakdowns(llm)
     client = llm.llm_engine.client
     eplb = client.eplb_stats.get(0) if client is not None else None
+    dbo_steps = ({rank: st.num_dbo_steps for rank, st in sorted(client.last_stats.items())}
+                 if client is not None else {})
     llm.shutdown()
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in prompts)
@@ -64,6 +66,8 @@ def run(args: argparse.Namespace) -> dict:
         "peak_rss_gib": (peak_rss_bytes() + ranks_rss) / GIB,
         "data_parallel_size": llm.llm_engine.config.parallel_config.data_parallel_size,
     }
+    if any(dbo_steps.values()):
+        result["dbo_steps"] = dbo_steps
     if eplb is not None:
         result["eplb"] = {
             "initial_balancedness": eplb.initial_balancedness,

@@ -95,7 +95,7 @@ class EngineArgs:
                 "micro-batches, one's MoE all-to-all overlapping the other's compute; "
                 "--enable-dbo turns it on, --enable-dbo auto decides per step from the step "
                 "times measured with and without it", "choices": DBO_MODES, "nargs": "?",
-        "const": "on"})
+        "const": "on"})  # a bare --enable-dbo before a positional model reads it as the mode
     dbo_decode_token_threshold: int = field(default=32, metadata={
         "help": "DBO splits a batch of decodes only when every rank has at least this many "
                 "tokens (a rank without work follows the others)"})

@@ -59,6 +59,9 @@ class EngineMetrics:
         self.num_preemptions = Counter(
             "widellm:num_preemptions", "Requests preempted for lack of KV blocks", rank_labels,
             registry=r)
+        self.dbo_steps = Counter(
+            "widellm:dbo_steps", "Forwards run as two overlapped micro-batches (--enable-dbo; "
+            "a rank's dummy batches included)", rank_labels, registry=r)
         self.prompt_tokens = Counter(
             "widellm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter(
@@ -106,6 +109,7 @@ class EngineMetrics:
         self.prefix_cache_queries.labels(**lb).inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_cache_hits.labels(**lb).inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.labels(**lb).inc(stats.num_preemptions - last.num_preemptions)
+        self.dbo_steps.labels(**lb).inc(max(0, stats.num_dbo_steps - last.num_dbo_steps))
         self._last_core[rank] = stats
 
     def record_eplb(self, stats: EplbStats) -> None:
