@@ -8,8 +8,8 @@ Phases (seconds, summed over the steps of one rank):
     moe_experts     inside forward: the routed experts' grouped GEMMs
     moe_combine     inside forward: MoE combine launch + wait (communication)
     comm_exposed    inside moe_dispatch/moe_combine: time blocked on a transfer (Work.wait)
-    comm_window     for each transfer, the time from its launch to its wait: how long it was
-                    in flight behind other work (an upper bound on the communication hidden)
+    comm_window     for each transfer, the part of its life (launch to completion) before its
+                    wait began: communication hidden behind other work
     sample          logits, sampling, logprobs
     dummy           forward of dummy batches (a rank with no work, in lockstep)
     lockstep_sync   the per-step all-reduce that keeps ranks in lockstep (waiting for peers)
@@ -69,8 +69,8 @@ def maybe_phase(timer: StepTimer | None, name: str) -> contextlib.AbstractContex
 def summarize(totals: dict[str, float]) -> dict[str, float]:
     """The breakdown in the issue's terms: attention and dense layers, routed experts,
     communication (the MoE exchange stages, packing included; of it, the time blocked on
-    transfers is ``comm_exposed_s``; ``comm_hidden_s`` is the time transfers spent in flight
-    behind other work, an upper bound), idle (dummy batches + lockstep waits), sampling and
+    transfers is ``comm_exposed_s``), ``comm_hidden_s`` (transfer time that passed while the
+    rank computed, see ``layers/moe/comm_tracking.py``), idle (dummy batches + lockstep waits), sampling and
     scheduling."""
     moe = totals.get("moe_dispatch", 0.0) + totals.get("moe_combine", 0.0)
     experts = totals.get("moe_experts", 0.0)

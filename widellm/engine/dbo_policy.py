@@ -12,7 +12,10 @@ measured faster on this deployment, per kind of step and size:
   next vote (the slowest rank's forward, so every rank records the same number);
 - until both settings have ``MIN_SAMPLES`` samples the key alternates between them; then it
   picks the lower median, and every ``REPROBE_EVERY``-th step of the key tries the other one
-  so that a change in load (longer contexts, another backend's traffic) is noticed.
+  so that a change in load (longer contexts, another backend's traffic) is noticed. One
+  sample each is enough to start: a prompt-heavy run may have only a handful of big steps per
+  key, and every measuring step of the slower setting is a loss (steps of one run differ by
+  a few percent, far less than runs do; the window's median then corrects a bad start).
 
 Everything it reads is agreed by the vote, so every rank makes the same choice: no rank can
 split a step its peers run whole (their collectives would not pair).
@@ -29,7 +32,7 @@ from widellm.distributed.lockstep import SplitVote, StepAgreement
 from widellm.worker.input_batch import ModelInput
 
 WINDOW = 16
-MIN_SAMPLES = 3
+MIN_SAMPLES = 1
 REPROBE_EVERY = 32
 
 StepKey = tuple[bool, int]

@@ -1,10 +1,17 @@
 """Exposed and hidden communication of the MoE transfers, for the step breakdown.
 
-A backend wraps each ``async_op=True`` work handle it launches in :func:`track`; waiting on
-the wrapper adds to the forward context's step timer the time blocked (``comm_exposed``) and
-the time the transfer was in flight between its launch and that wait (``comm_window``: spent on
-the shared experts, on packing, or, under dual-batch overlap, on the other micro-batch). With
-no timer it only forwards ``wait``.
+A backend wraps each ``async_op=True`` work handle it launches in :func:`track`. With a step
+timer in the forward context the wrapper notes when the transfer completes (a callback on the
+work's future, run by the process group's thread) and, when waited on, adds to the timer:
+
+- ``comm_exposed``: the time the caller blocked in ``wait``;
+- ``comm_window``: the part of the transfer's life (launch to completion) that passed before
+  the wait began, i.e. while the rank did other work (the shared experts, packing, or under
+  dual-batch overlap the other micro-batch): the communication hidden behind compute.
+
+A transfer's life includes waiting for the slowest peer to launch its side, so both numbers
+count skew between ranks as communication, as a profiler would. With no timer the wrapper
+only forwards ``wait``.
 """
 
 from __future__ import annotations
@@ -20,11 +27,17 @@ from widellm.step_timer import StepTimer
 class TrackedWork:
     """A launched transfer: ``wait()`` blocks on it and records how much of it was exposed."""
 
-    __slots__ = ("work", "timer", "launched_at")
+    __slots__ = ("work", "timer", "launched_at", "done_at")
 
     def __init__(self, work: dist.Work, timer: StepTimer | None) -> None:
         self.work, self.timer = work, timer
         self.launched_at = time.perf_counter()
+        self.done_at: float | None = None
+        if timer is not None:
+            work.get_future().add_done_callback(self._completed)
+
+    def _completed(self, _future) -> None:
+        self.done_at = time.perf_counter()
 
     def wait(self) -> None:
         if self.timer is None:
@@ -32,8 +45,10 @@ class TrackedWork:
             return
         start = time.perf_counter()
         self.work.wait()
-        self.timer.add("comm_exposed", time.perf_counter() - start)
-        self.timer.add("comm_window", start - self.launched_at)
+        end = time.perf_counter()
+        done = self.done_at if self.done_at is not None else end
+        self.timer.add("comm_exposed", end - start)
+        self.timer.add("comm_window", max(0.0, min(done, start) - self.launched_at))
 
 
 def track(work: dist.Work) -> TrackedWork:
