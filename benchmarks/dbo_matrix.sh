@@ -17,9 +17,10 @@ declare -A WORKLOAD=([decode]="--num-prompts 64 --input-len 128 --output-len 128
 mkdir -p "$OUT"
 run() {  # name, flags...
   local name=$1; shift
+  [ -f "$OUT/$name.json" ] && return  # measured already (a rerun fills in what failed)
   echo "== $name: $*" >&2
   .venv/bin/widellm bench throughput $COMMON "$@" --output-json "$OUT/$name.json" \
-      > "$OUT/$name.log" 2>&1
+      > "$OUT/$name.log" 2>&1 || echo "FAILED, see $OUT/$name.log" >&2
   tail -n 1 "$OUT/$name.log" >&2
 }
 orders=("off on auto" "on auto off" "auto off on")

@@ -53,3 +53,16 @@ def test_without_a_timer_nothing_is_recorded_or_hooked():
     work = _ScriptedWork(complete_in_wait=True)
     TrackedWork(work, None).wait()
     assert work.future.done()  # waited; no callback was needed to get here
+
+
+class _WorkWithoutFuture(_ScriptedWork):
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented.")
+
+
+def test_a_handle_without_a_future_counts_as_in_flight_until_its_wait(monkeypatch):
+    # launch at 1.0, wait from 4.0 to 4.25
+    _clock(monkeypatch, [1.0, 4.0, 4.25])
+    timer = StepTimer()
+    TrackedWork(_WorkWithoutFuture(complete_in_wait=False), timer).wait()
+    assert timer.totals == {"comm_exposed": 0.25, "comm_window": 3.0}

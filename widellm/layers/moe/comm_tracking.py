@@ -10,8 +10,9 @@ work's future, run by the process group's thread) and, when waited on, adds to t
   dual-batch overlap the other micro-batch): the communication hidden behind compute.
 
 A transfer's life includes waiting for the slowest peer to launch its side, so both numbers
-count skew between ranks as communication, as a profiler would. With no timer the wrapper
-only forwards ``wait``.
+count skew between ranks as communication, as a profiler would. A work handle without a
+future (gloo's all-gather and reduce-scatter into one tensor) counts as in flight until its
+wait. With no timer the wrapper only forwards ``wait``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ class TrackedWork:
         self.launched_at = time.perf_counter()
         self.done_at: float | None = None
         if timer is not None:
-            work.get_future().add_done_callback(self._completed)
+            try:
+                work.get_future().add_done_callback(self._completed)
+            except RuntimeError:  # gloo's all-gather / reduce-scatter "into tensor" have none
+                pass
 
     def _completed(self, _future) -> None:
         self.done_at = time.perf_counter()
@@ -46,7 +50,9 @@ class TrackedWork:
         start = time.perf_counter()
         self.work.wait()
         end = time.perf_counter()
-        done = self.done_at if self.done_at is not None else end
+        # Without a completion time (no future) the transfer counts as in flight until the wait
+        # began: exact when the wait blocks, an upper bound when it was done before.
+        done = self.done_at if self.done_at is not None else start
         self.timer.add("comm_exposed", end - start)
         self.timer.add("comm_window", max(0.0, min(done, start) - self.launched_at))
 
