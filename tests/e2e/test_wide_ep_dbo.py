@@ -53,6 +53,30 @@ def test_dbo_auto_equals_single_rank(reference):
     assert got == expected
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_breakdown_reports_exposed_and_hidden_communication(reference, backend):
+    """Each rank's breakdown with DBO on: transfer time blocked on is part of the MoE exchange
+    stages, and some transfer time passed behind the other micro-batch's compute."""
+    path, prompts, expected = reference
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    with LLM(path, dtype="float32", num_kv_blocks=256, data_parallel_size=2,
+             enable_expert_parallel=True, all2all_backend=backend, collect_step_breakdown=True,
+             max_num_batched_tokens=STEP_BUDGET, **SPLIT_ALWAYS) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False, data_parallel_rank=PLACEMENT[2])
+        breakdown = summarize_ranks(llm.llm_engine.client.last_breakdown)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sorted(breakdown) == [0, 1]
+    for b in breakdown.values():
+        assert 0 < b["comm_exposed_s"] <= b["communication_s"], b
+        assert b["comm_hidden_s"] > 0, b
+
+
+def summarize_ranks(raw: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    from widellm.step_timer import summarize
+
+    return {rank: summarize(totals) for rank, totals in raw.items()}
+
+
 def _generate_counting_splits(path, prompts, ranks, expect_all_split=True,
                               **engine_kwargs):
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
