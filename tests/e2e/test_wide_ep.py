@@ -6,6 +6,8 @@ different steps (idle ranks run dummy batches until all are done)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.e2e.test_models_vs_hf import MAX_NEW_TOKENS, make_prompts
@@ -18,6 +20,11 @@ PLACEMENT = {2: [0, 0, 0, 1, 0, 0, 1, 0], 4: [0, 0, 1, 0, 2, 0, 1, 0]}
 NUM_KV_BLOCKS = 256
 # Small enough that a 300-token prefill overflows every rank pair: exercises the spill path.
 TINY_CAPACITY = 2
+
+
+def is_qwen3_moe(path: str) -> bool:
+    with open(f"{path}/config.json") as f:
+        return json.load(f)["architectures"] == ["Qwen3MoeForCausalLM"]
 
 
 def generate(path: str, prompts, ranks=None, **engine_kwargs) -> list[list[int]]:
@@ -49,6 +56,9 @@ def test_expert_parallel_equals_single_rank(reference, backend, dp, async_schedu
     """With async scheduling the runner thread owns the vote and every forward's collectives
     while the next step is scheduled (an idle rank included)."""
     path, prompts, expected = reference
+    if async_scheduling and is_qwen3_moe(path):
+        # Suite time: Qwen3-MoE's async matrix runs with DBO on in test_wide_ep_dbo.
+        pytest.skip("covered with DBO by test_wide_ep_dbo")
     got = generate(path, prompts, PLACEMENT[dp], data_parallel_size=dp,
                    enable_expert_parallel=True, all2all_backend=backend,
                    async_scheduling=async_scheduling)

@@ -3,14 +3,15 @@ greedy fp32 outputs equal DBO off and one rank, token for token, for every backe
 DP4 on tiny DeepSeek-V3 and Qwen3-MoE, under the uneven load of test_wide_ep (one rank with
 most requests, one with none at DP4, prompts of 5-300 tokens so ranks go idle at different
 steps and run split dummy batches). A small step budget chunks the prompts, so micro-batch
-cuts fall inside prompt chunks; the stats prove the steps did split."""
+cuts fall inside prompt chunks; the stats prove the steps did split. Qwen3-MoE runs with
+async scheduling as well (DBO + async == one rank)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.e2e.test_models_vs_hf import MAX_NEW_TOKENS
-from tests.e2e.test_wide_ep import BACKENDS, PLACEMENT, reference  # noqa: F401
+from tests.e2e.test_wide_ep import BACKENDS, PLACEMENT, is_qwen3_moe, reference  # noqa: F401
 from widellm.engine.llm import LLM
 from widellm.sampling_params import SamplingParams
 
@@ -26,19 +27,11 @@ STEP_BUDGET = 96
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dbo_equals_single_rank(reference, backend, dp):
     path, prompts, expected = reference
+    # Qwen3-MoE runs with async scheduling too: its async matrix (test_wide_ep) is this one.
     ep = dict(data_parallel_size=dp, enable_expert_parallel=True, all2all_backend=backend,
-              max_num_batched_tokens=STEP_BUDGET)
+              max_num_batched_tokens=STEP_BUDGET, async_scheduling=is_qwen3_moe(path))
     # DBO off equals one rank for the same matrix in test_wide_ep.
     assert _generate_counting_splits(path, prompts, PLACEMENT[dp], **ep, **SPLIT_ALWAYS) == expected
-
-
-def test_dbo_with_async_scheduling_equals_single_rank(reference):
-    path, prompts, expected = reference
-    got = _generate_counting_splits(
-        path, prompts, PLACEMENT[2], data_parallel_size=2, enable_expert_parallel=True,
-        all2all_backend="all2all", max_num_batched_tokens=STEP_BUDGET, async_scheduling=True,
-        **SPLIT_ALWAYS)
-    assert got == expected
 
 
 def test_dbo_auto_equals_single_rank(reference):
@@ -58,6 +51,8 @@ def test_step_breakdown_reports_exposed_and_hidden_communication(reference, back
     """Each rank's breakdown with DBO on: transfer time blocked on is part of the MoE exchange
     stages, and some transfer time passed behind the other micro-batch's compute."""
     path, prompts, expected = reference
+    if is_qwen3_moe(path):
+        pytest.skip("the accounting is the backends', not the model's: one model is enough")
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     with LLM(path, dtype="float32", num_kv_blocks=256, data_parallel_size=2,
              enable_expert_parallel=True, all2all_backend=backend, collect_step_breakdown=True,
