@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.test_models_vs_hf import MAX_NEW_TOKENS
-from tests.e2e.test_wide_ep import BACKENDS, PLACEMENT, is_qwen3_moe, reference  # noqa: F401
+from tests.e2e.test_models_vs_hf import MAX_NEW_TOKENS, make_prompts
+from tests.e2e.test_wide_ep import (  # noqa: F401 (reference is a fixture)
+    BACKENDS, PLACEMENT, generate, is_qwen3_moe, reference,
+)
 from widellm.engine.llm import LLM
 from widellm.sampling_params import SamplingParams
 
@@ -46,13 +48,21 @@ def test_dbo_auto_equals_single_rank(reference):
     assert got == expected
 
 
+@pytest.fixture(scope="module")
+def deepseek_reference(model_dir):
+    """One model is enough here: the accounting is the backends', not the model's."""
+    from transformers import AutoConfig
+
+    path = model_dir("DeepseekV3ForCausalLM")
+    prompts = make_prompts(AutoConfig.from_pretrained(path).vocab_size)
+    return path, prompts, generate(path, prompts)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_step_breakdown_reports_exposed_and_hidden_communication(reference, backend):
+def test_step_breakdown_reports_exposed_and_hidden_communication(deepseek_reference, backend):
     """Each rank's breakdown with DBO on: transfer time blocked on is part of the MoE exchange
     stages, and some transfer time passed behind the other micro-batch's compute."""
-    path, prompts, expected = reference
-    if is_qwen3_moe(path):
-        pytest.skip("the accounting is the backends', not the model's: one model is enough")
+    path, prompts, expected = deepseek_reference
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     with LLM(path, dtype="float32", num_kv_blocks=256, data_parallel_size=2,
              enable_expert_parallel=True, all2all_backend=backend, collect_step_breakdown=True,
