@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from widellm.kv_transfer.config import KVTransferConfig
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -309,6 +311,8 @@ class EngineConfig:
     parallel_config: ParallelConfig
     observability_config: ObservabilityConfig = ObservabilityConfig()
     eplb_config: EPLBConfig = EPLBConfig()
+    # Disaggregated prefill/decode: this instance's KV connector (None: colocated).
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if self.eplb_config.enable_eplb and not self.parallel_config.needs_lockstep:

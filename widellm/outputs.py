@@ -42,3 +42,5 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # A prefill instance's KV connector parameters for the decode instance (vLLM's field).
+    kv_transfer_params: dict | None = None

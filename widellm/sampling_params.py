@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 # A temperature below this is treated as greedy decoding: dividing logits by it would overflow
 # and the result is argmax anyway.
@@ -49,6 +50,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    # vLLM's free-form extras; "kv_transfer_params" is read by the KV connector
+    # (disaggregated prefill/decode, see widellm/kv_transfer).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:

@@ -81,9 +81,12 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` after the computed ones (plus ``new_computed_blocks``,
-        prefix hits not yet counted in ``request.num_computed_tokens``).
+        prefix hits not yet counted in ``request.num_computed_tokens``). With
+        ``delay_cache_blocks`` the new blocks join the prefix cache only at
+        :meth:`cache_blocks` (a remote load fills them later: nobody may hit them before).
 
         Returns the newly allocated blocks, or None (changing nothing) when the pool is short.
         """
@@ -104,8 +107,13 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_to_allocate, 0))
         blocks.extend(new_blocks)
-        self._cache_full_blocks(request, blocks, total_tokens)
+        if not delay_cache_blocks:
+            self._cache_full_blocks(request, blocks, total_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Put the full blocks of ``request``'s first ``num_tokens`` into the prefix cache."""
+        self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int

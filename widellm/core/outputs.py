@@ -43,6 +43,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # A finished prompt's KV connector parameters (a prefill instance's answer).
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from widellm.sampling_params import SamplingParams
@@ -12,12 +12,16 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Blocks allocated, prompt KV being loaded from a remote prefill (a KV connector).
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # Ended by the engine, not by the request (a failed KV load under policy "fail").
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -32,6 +36,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -45,13 +50,16 @@ class Request:
     with different salts never share a cached block.
     With async scheduling, ``num_output_placeholders`` tokens are being sampled by steps in
     flight; the next step is scheduled as if they were known.
+    ``kv_transfer_params`` are the KV connector's (``widellm.kv_transfer``): a prompt to
+    hand to a remote decode, or to load from a remote prefill; ``num_external_tokens`` of its
+    prompt were loaded that way.
     """
 
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_ids", "arrival_time",
         "output_token_ids", "all_token_ids", "num_computed_tokens", "num_cached_tokens",
         "block_hashes", "status", "stop_reason", "max_tokens", "num_preemptions",
-        "num_output_placeholders", "cache_salt",
+        "num_output_placeholders", "cache_salt", "kv_transfer_params", "num_external_tokens",
     )
 
     def __init__(
@@ -63,6 +71,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -81,6 +90,8 @@ class Request:
         self.num_preemptions = 0
         # Async scheduling: tokens being sampled by steps still in flight.
         self.num_output_placeholders = 0
+        self.kv_transfer_params = kv_transfer_params
+        self.num_external_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

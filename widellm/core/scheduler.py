@@ -5,18 +5,29 @@ A step hands out a token budget (``max_num_batched_tokens``, at most ``max_num_s
 requests): running requests first, in admission order, then waiting ones; any prompt that does
 not fit is chunked. When the KV pool runs dry, the most recently admitted running request is
 preempted (blocks freed, recomputed later from the front of the waiting queue).
+
+With a KV connector (disaggregated prefill/decode, ``widellm.kv_transfer``): a request whose
+prompt KV can be loaded from a remote prefill gets its blocks, waits apart
+(WAITING_FOR_REMOTE_KVS) while the connector loads them and re-enters the waiting queue with
+those tokens computed; a failed load is recomputed or fails the request, as configured. On a
+prefill instance, a finished request's blocks are held until the connector reports them sent.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from widellm.config import CacheConfig, SchedulerConfig
 from widellm.core.kv_cache_manager import KVCacheManager
 from widellm.core.outputs import EngineCoreOutput, LogprobsLists, ModelRunnerOutput
 from widellm.core.request import Request, RequestStatus
 from widellm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from widellm.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
+    from widellm.kv_transfer.stats import KVTransferStats
 
 
 @dataclass(slots=True)
@@ -33,11 +44,14 @@ class SchedulerStats:
     last_step_duration_s: float = 0.0
     # Forwards (real or dummy) run as two overlapped micro-batches (dual-batch overlap).
     num_dbo_steps: int = 0
+    # KV connector counters (None without one); filled in by the engine core.
+    kv_transfer: "KVTransferStats | None" = None
 
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+        kv_connector: "KVConnectorScheduler | None" = None, kv_load_failure_policy: str = "fail",
     ) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
@@ -49,19 +63,37 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.kv_connector = kv_connector
+        self.kv_load_failure_policy = kv_load_failure_policy
+        # Consumer: loading their prompt KV. Aborted while loading: their blocks go when the
+        # load ends (the connector may still be writing them).
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.aborted_loading: dict[str, Request] = {}
+        # Producer: finished, blocks held for a consumer to pull.
+        self.held_for_transfer: dict[str, Request] = {}
+        self.num_recomputed = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.held_for_transfer:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.kv_connector is not None:
+            self.kv_connector.track_remote_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for req_id in request_ids:
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.waiting_for_remote[req_id]
+                req.status = RequestStatus.FINISHED_ABORTED
+                self.aborted_loading[req_id] = req
+                self.finished_req_ids.add(req_id)
+                del self.requests[req_id]
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
@@ -74,6 +106,10 @@ class Scheduler:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Loads or holds the connector still has to report on (the engine keeps polling)."""
+        return bool(self.waiting_for_remote or self.aborted_loading or self.held_for_transfer)
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -116,13 +152,22 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+            if req.num_external_tokens:  # loaded from a remote prefill: holds its blocks
+                hit_blocks, num_hit = [], req.num_computed_tokens
+            else:
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+                if self.kv_connector is not None:
+                    loading = self._start_remote_load(req, hit_blocks, num_hit)
+                    if loading is None:
+                        break  # no room for its blocks yet
+                    if loading:
+                        continue
             num_new = min(req.num_tokens - num_hit, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(req, num_new, hit_blocks)
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            if self.kv_cache_manager.enable_caching:
+            if self.kv_cache_manager.enable_caching and not req.num_external_tokens:
                 self.kv_cache_manager.record_prefix_cache_stats(req.num_tokens, num_hit)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
@@ -159,6 +204,78 @@ class Scheduler:
                 req.num_output_placeholders += 1
         return out
 
+    def _start_remote_load(self, req: Request, hit_blocks: list, num_hit: int) -> bool | None:
+        """Park ``req`` to load the prompt tokens a remote prefill computed, when the
+        connector offers some: True if parked, False if it computes them itself, None if the
+        pool has no room for their blocks now."""
+        num_external, load_async = self.kv_connector.get_num_new_matched_tokens(req, num_hit)
+        if num_external == 0:
+            return False
+        if not load_async:
+            raise NotImplementedError("only asynchronous KV loads are supported")
+        if self.kv_cache_manager.allocate_slots(req, num_external, hit_blocks,
+                                                delay_cache_blocks=True) is None:
+            return None
+        self.waiting.popleft()
+        if self.kv_cache_manager.enable_caching:
+            self.kv_cache_manager.record_prefix_cache_stats(req.num_tokens, num_hit)
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        req.num_external_tokens = num_external
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[req.request_id] = req
+        self.kv_connector.update_state_after_alloc(
+            req, self.kv_cache_manager.get_block_ids(req.request_id), num_external)
+        return True
+
+    def update_from_kv_connector(self, out: "KVConnectorOutput") -> list[EngineCoreOutput]:
+        """Apply what the connector's worker half finished; returns the outputs of requests
+        it failed (policy ``fail``)."""
+        for req_id in out.finished_sending:
+            if (req := self.held_for_transfer.pop(req_id, None)) is not None:
+                self.kv_cache_manager.free(req)
+        for req_id in out.finished_recving:
+            if (req := self.aborted_loading.pop(req_id, None)) is not None:
+                self.kv_cache_manager.free(req)
+            elif (req := self.waiting_for_remote.pop(req_id, None)) is not None:
+                req.num_computed_tokens += req.num_external_tokens
+                self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+                req.kv_transfer_params = None  # consumed: a preemption recomputes locally
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+        outputs = []
+        for req_id, cause in out.failed_recving.items():
+            if (req := self.aborted_loading.pop(req_id, None)) is not None:
+                self.kv_cache_manager.free(req)
+            elif (req := self.requests.get(req_id)) is not None and not req.is_finished:
+                outputs.extend(self._remote_load_failed(req, cause))
+        return outputs
+
+    def _remote_load_failed(self, req: Request, cause: str) -> list[EngineCoreOutput]:
+        loading = self.waiting_for_remote.pop(req.request_id, None) is not None
+        if loading:
+            self.kv_cache_manager.free(req)  # not cached yet: nobody else holds them
+        elif req.status != RequestStatus.WAITING:
+            return []  # already admitted without the remote KV
+        req.num_computed_tokens = 0
+        req.num_external_tokens = 0
+        req.kv_transfer_params = None
+        if self.kv_load_failure_policy == "recompute":
+            self.num_recomputed += 1
+            if loading:
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+            return []
+        if not loading:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        req.stop_reason = f"loading the prompt's KV from the prefill instance failed ({cause})"
+        self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]
+        return [EngineCoreOutput(request_id=req.request_id, new_token_ids=[],
+                                 finish_reason=req.status.finish_reason,
+                                 stop_reason=req.stop_reason)]
+
     def _num_tokens_wanted(self, req: Request) -> int:
         """Tokens to compute next; none when in-flight samples already reach a length limit."""
         pending = req.num_output_placeholders
@@ -187,6 +304,10 @@ class Scheduler:
             if not new_ids and prompt_lp is None:
                 continue
             lp = runner_output.logprobs[idx] if runner_output.logprobs else None
+            kv_params = None
+            if req.is_finished:
+                self.running.remove(req)
+                kv_params = self._free(req)
             outputs.append(EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_ids,
@@ -195,10 +316,8 @@ class Scheduler:
                 finish_reason=req.status.finish_reason,
                 stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
+                kv_transfer_params=kv_params,
             ))
-            if req.is_finished:
-                self.running.remove(req)
-                self._free(req)
         return outputs
 
     def make_stats(self) -> SchedulerStats:
@@ -243,10 +362,20 @@ class Scheduler:
         req.status = status
         self._free(req)
 
-    def _free(self, req: Request) -> None:
-        self.kv_cache_manager.free(req)
+    def _free(self, req: Request) -> dict | None:
+        """Free a finished request's blocks, unless the connector holds them for a remote
+        decode; returns the connector's ``kv_transfer_params`` for the client."""
+        params, delay = None, False
+        if self.kv_connector is not None:
+            delay, params = self.kv_connector.request_finished(
+                req, self.kv_cache_manager.get_block_ids(req.request_id))
+        if delay:
+            self.held_for_transfer[req.request_id] = req
+        else:
+            self.kv_cache_manager.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
+        return params
 
 
 def _as_tuples(

@@ -13,6 +13,8 @@ from widellm.config import (
     ParallelConfig, SchedulerConfig, default_prefill_pad_multiple, resolve_dtype,
 )
 from widellm.device import on_cuda
+from widellm.kv_transfer.config import KVTransferConfig
+from widellm.kv_transfer.registry import check_connector_name
 from widellm.model.loader import load_hf_config, resolve_model_path
 
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -117,6 +119,11 @@ class EngineArgs:
         "help": "log the expert load balancedness every rebalance window"})
     eplb_min_balancedness_gain: float = field(default=0.05, metadata={
         "help": "apply a new expert placement only if it raises balancedness this much"})
+    kv_transfer_config: str | dict | None = field(default=None, metadata={
+        "help": "disaggregated prefill/decode: this instance's KV connector, as JSON: "
+                '{"kv_connector": "TCPConnector", "kv_role": "kv_producer|kv_consumer|'
+                'kv_both", "kv_load_failure_policy": "recompute|fail", '
+                '"kv_connector_extra_config": {...}} (see widellm/kv_transfer)'})
     collect_step_breakdown: bool = field(default=False, metadata={
         "help": "time each step's phases (attention, experts, MoE communication, idle)"})
     request_stall_timeout_s: float = field(default=60.0, metadata={
@@ -155,6 +162,9 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={model_max}"
             )
+        kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        if kv_transfer_config is not None:
+            check_connector_name(kv_transfer_config)
         model_config = ModelConfig(
             model=path,
             served_name=self.served_model_name or self.model or "SmolLM2-135M-Instruct",
@@ -210,6 +220,7 @@ class EngineArgs:
             observability_config=ObservabilityConfig(
                 collect_step_breakdown=self.collect_step_breakdown,
                 request_stall_timeout_s=self.request_stall_timeout_s),
+            kv_transfer_config=kv_transfer_config,
         )
 
     def replace(self, **changes) -> "EngineArgs":

@@ -35,11 +35,17 @@ class EngineDrainingError(RuntimeError):
     when its drain timeout ends."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended the request with an error of its own (finish reason ``error``: a
+    failed KV load from a prefill instance under ``kv_load_failure_policy: fail``)."""
+
+
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs) -> None:
         self.config = engine_args.create_engine_config()
         self.model_config = self.config.model_config
-        self.processor = InputProcessor.from_model_config(self.model_config)
+        self.processor = InputProcessor.from_model_config(self.model_config,
+                                                          self.config.kv_transfer_config)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.model_config.served_name)
@@ -101,6 +107,9 @@ class AsyncLLM:
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
+                failed = [o for o in item.outputs if o.finish_reason == "error"]
+                if failed:
+                    raise RequestFailedError(str(failed[0].stop_reason))
                 yield item
                 if finished:
                     return

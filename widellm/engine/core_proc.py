@@ -60,6 +60,9 @@ IDLE_POLL_MS = 1000
 # Idle lockstep ranks meet in an all-reduce this often: the most a new request waits for the
 # other ranks to join its first step.
 LOCKSTEP_IDLE_POLL_MS = 10
+# While KV transfers are in flight and nothing else runs, how often the loop looks whether
+# they ended (a loaded request's first step waits at most this long for it).
+KV_TRANSFER_POLL_MS = 2
 HELLO = b"HELLO"
 # prctl(2) option: the signal this process gets when its parent thread exits.
 PR_SET_PDEATHSIG = 1
@@ -229,7 +232,8 @@ class _CoreLoop:
         core, runner = self.core, self.core.model_runner
         while True:
             busy = core.has_unfinished_requests() or runner.sizes_to_warm
-            self._drain(0 if busy else IDLE_POLL_MS)
+            self._drain(0 if busy else self._idle_poll_ms(IDLE_POLL_MS))
+            self._poll_kv_transfers()
             if self.shutdown_requested:
                 return
             if not core.has_unfinished_requests():
@@ -242,7 +246,8 @@ class _CoreLoop:
         core, in_wave = self.core, False
         while True:
             busy = in_wave or core.has_unfinished_requests()
-            self._drain(0 if busy else LOCKSTEP_IDLE_POLL_MS)
+            self._drain(0 if busy else self._idle_poll_ms(LOCKSTEP_IDLE_POLL_MS))
+            self._poll_kv_transfers()
             # Scheduled before the vote: the vote carries the forward's row count.
             step = core.plan_step()
             with maybe_phase(core.step_timer, "lockstep_sync"):
@@ -266,7 +271,8 @@ class _CoreLoop:
         pipe = LockstepPipeline(core, self.lockstep)
         while True:
             busy = in_wave or core.has_unfinished_requests() or bool(pipe.in_flight)
-            self._drain(0 if busy else LOCKSTEP_IDLE_POLL_MS)
+            self._drain(0 if busy else self._idle_poll_ms(LOCKSTEP_IDLE_POLL_MS))
+            self._poll_kv_transfers()
             if not pipe.full and (core.scheduler.has_unfinished_requests()
                                   or not pipe.in_flight):
                 so = core.schedule_step()
@@ -301,6 +307,20 @@ class _CoreLoop:
         if not parent_alive(self.parent_pid):  # the frontend (or launcher) died, no goodbye
             logger.warning("parent process %d is gone; stopping", self.parent_pid)
             self.shutdown_requested = True
+
+    def _idle_poll_ms(self, idle_ms: int) -> int:
+        return KV_TRANSFER_POLL_MS if self.core.has_pending_kv_transfers() else idle_ms
+
+    def _poll_kv_transfers(self) -> None:
+        """Hand ended KV transfers to the scheduler; a request the connector failed is
+        answered now, and a change in held blocks reaches the metrics."""
+        outputs = self.core.poll_kv_transfers()
+        if outputs is None:
+            return
+        if outputs:
+            self._send(outputs)
+        else:
+            self.stats_dirty = True
 
     def _step(self) -> None:
         self._stepped(self.core.step())

@@ -24,12 +24,15 @@ from widellm.distributed.groups import DPGroups
 from widellm.distributed.lockstep import DPLockstep, StepAgreement
 from widellm.engine.dbo_policy import DboPolicy
 from widellm.engine.kv_budget import plan_num_blocks
+from widellm.kv_transfer.registry import make_scheduler
 from widellm.sampling_params import SamplingParams
 from widellm.step_timer import StepTimer, maybe_phase
 from widellm.worker.model_runner import DUMMY_BATCH_ROWS, ModelInput, ModelRunner
 
 logger = logging.getLogger(__name__)
 GIB = 1 << 30
+# How long an offline step with nothing to run but KV loads waits for one to end.
+KV_TRANSFER_WAIT_S = 0.002
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -41,6 +44,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     # vLLM's cache_salt: requests with different salts never share a prefix-cache block.
     cache_salt: str | None = None
+    # The KV connector's parameters (disaggregated prefill/decode), as the client sent them.
+    kv_transfer_params: dict | None = None
 
 
 @dataclasses.dataclass
@@ -102,7 +107,15 @@ class EngineCore:
         # (A decode step has at most max_num_seqs rows and never more than the token budget.)
         self.model_runner.warmup([sc.max_num_batched_tokens,
                                   min(sc.max_num_seqs, sc.max_num_batched_tokens)])
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks)
+        # Disaggregated prefill/decode: the connector's scheduler half names the worker
+        # half's endpoint in the parameters it hands out.
+        kvt = config.kv_transfer_config
+        self.kv_worker = self.model_runner.kv_connector
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_blocks,
+            make_scheduler(kvt, config.cache_config.block_size, self.kv_worker)
+            if self.kv_worker is not None else None,
+            kvt.kv_load_failure_policy if kvt is not None else "fail")
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Steps taken and the wall time of the latest, reported with the scheduler stats.
         self.num_steps = 0
@@ -126,26 +139,75 @@ class EngineCore:
         self.scheduler.add_request(Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             frozenset(req.eos_token_ids), req.max_tokens, req.arrival_time, req.cache_salt,
+            req.kv_transfer_params,
         ))
+        self._start_kv_transfers()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        self._start_kv_transfers()
+
+    # ---- KV transfer (disaggregated prefill/decode) -----------------------------------------
+
+    def has_loads_in_flight(self) -> bool:
+        """Requests waiting for their prompt KV: they will run once it is loaded."""
+        return bool(self.scheduler.waiting_for_remote)
+
+    def has_pending_kv_transfers(self) -> bool:
+        return self.kv_worker is not None and self.scheduler.has_pending_kv_transfers()
+
+    def poll_kv_transfers(self) -> list[EngineCoreOutput] | None:
+        """Apply the transfers the connector finished (loaded requests rejoin the waiting
+        queue, sent blocks are freed, failed loads follow the policy) and start the ones
+        decided since; returns the outputs of failed requests, or None when nothing ended.
+        Only on the thread that schedules."""
+        if self.kv_worker is None:
+            return None
+        finished = self.kv_worker.get_finished()
+        outputs = None
+        if not finished.is_empty:
+            outputs = self.scheduler.update_from_kv_connector(finished)
+        self._start_kv_transfers()
+        return outputs
+
+    def _start_kv_transfers(self) -> None:
+        # Right after the scheduler decides: a hold must be registered before the output that
+        # names it reaches the client, or a quick consumer's pull would find nothing held.
+        if self.kv_worker is not None:
+            meta = self.scheduler.kv_connector.build_connector_meta()
+            if not meta.is_empty:
+                self.kv_worker.start_load_kv(meta)
+
+    def _update_from_output(self, so: SchedulerOutput,
+                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        self._start_kv_transfers()
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
+        kv_outputs = self.poll_kv_transfers() or []
+        if not self.scheduler.has_unfinished_requests():
+            if self.has_loads_in_flight():  # nothing to run until a load ends
+                self.kv_worker.wait_for_progress(KV_TRANSFER_WAIT_S)
+            return kv_outputs
         start = time.monotonic()
         try:
-            return self._step()
+            return kv_outputs + self._step()
         finally:
             self.count_step(start)
 
     def make_stats(self) -> SchedulerStats:
         """The scheduler's numbers plus the step counters the frontend's stall check logs."""
+        kv = None
+        if self.kv_worker is not None:
+            kv = self.kv_worker.stats()
+            kv.num_recomputed = self.scheduler.num_recomputed
         return dataclasses.replace(self.scheduler.make_stats(), num_steps=self.num_steps,
                                    last_step_duration_s=self.last_step_duration_s,
-                                   num_dbo_steps=self.num_dbo_steps)
+                                   num_dbo_steps=self.num_dbo_steps, kv_transfer=kv)
 
     def _step(self) -> list[EngineCoreOutput]:
         if self.lockstep:
@@ -154,9 +216,10 @@ class EngineCore:
             return self.step_with_batch_queue()
         with maybe_phase(self.step_timer, "schedule"):
             scheduler_output = self.scheduler.schedule()
+        self._start_kv_transfers()
         runner_output = self.model_runner.execute_model(scheduler_output)
         with maybe_phase(self.step_timer, "schedule"):
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
+            return self._update_from_output(scheduler_output, runner_output)
 
     # ---- lockstep (expert parallelism over several ranks) ----------------------------------
 
@@ -170,7 +233,9 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return None
         with maybe_phase(self.step_timer, "schedule"):
-            return self.scheduler.schedule()
+            so = self.scheduler.schedule()
+        self._start_kv_transfers()
+        return so
 
     def prepare_step(self, so: SchedulerOutput | None) -> PlannedStep:
         """Apply ``so`` to the runner's request states and build the forward's inputs. With
@@ -205,7 +270,7 @@ class EngineCore:
                     runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Hand a lockstep step's samples to the scheduler (on the thread that schedules)."""
         with maybe_phase(self.step_timer, "schedule"):
-            return self.scheduler.update_from_output(so, runner_output)
+            return self._update_from_output(so, runner_output)
 
     def run_planned_step(self, step: PlannedStep,
                          agreement: StepAgreement) -> list[EngineCoreOutput]:
@@ -229,6 +294,7 @@ class EngineCore:
         feeds N's sampled tokens into N+1 itself, so outputs equal synchronous scheduling."""
         if len(self.batch_queue) < 2 and self.scheduler.has_unfinished_requests():
             so = self.scheduler.schedule()
+            self._start_kv_transfers()
             # An empty step still goes through the runner thread when it carries finished or
             # preempted ids: the runner must drop their state, in order.
             if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
@@ -239,7 +305,7 @@ class EngineCore:
         if not self.batch_queue:
             return []
         so, future = self.batch_queue.popleft()
-        return self.scheduler.update_from_output(so, future.result())
+        return self._update_from_output(so, future.result())
 
     def shutdown(self) -> None:
         if self.runner_thread is not None:

@@ -32,7 +32,7 @@ class LLMEngine:
         self.config = engine_args.create_engine_config()
         mc = self.config.model_config
         torch.manual_seed(mc.seed)
-        self.processor = InputProcessor.from_model_config(mc)
+        self.processor = InputProcessor.from_model_config(mc, self.config.kv_transfer_config)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         if self.config.parallel_config.data_parallel_size == 1:
@@ -94,7 +94,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         if self.client is not None:
             return self.output_processor.has_unfinished_requests()
-        return self.engine_core.has_unfinished_requests()
+        return self.engine_core.has_unfinished_requests() or self.engine_core.has_loads_in_flight()
 
     def step(self) -> list[RequestOutput]:
         outputs, to_abort = self.output_processor.process_outputs(self._core_step())

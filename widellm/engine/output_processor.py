@@ -59,6 +59,7 @@ class _ParentState:
     prev_token_time: float | None = None  # last token time before the latest update
     last_token_time: float | None = None
     num_unfinished: int = 0
+    kv_transfer_params: dict | None = None  # a prefill instance's answer for the decode
 
     @property
     def finished(self) -> bool:
@@ -171,6 +172,8 @@ class OutputProcessor:
             parent.prev_token_time = parent.last_token_time
             parent.last_token_time = now
         parent.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            parent.kv_transfer_params = out.kv_transfer_params
         # Every sample of an n > 1 request computes the same prompt logprobs; keep one copy.
         if out.new_prompt_logprobs and parent.prompt_logprobs is not None and sample.index == 0:
             parent.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
@@ -235,6 +238,7 @@ class OutputProcessor:
             finished=parent.finished,
             prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=parent.num_cached_tokens,
+            kv_transfer_params=parent.kv_transfer_params,
             metrics={
                 "arrival_time": parent.arrival_time,
                 "first_token_time": parent.first_token_time,

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from widellm.config import ModelConfig
 from widellm.engine.engine_core import EngineCoreRequest
 from widellm.engine.tokenizer import get_tokenizer, max_chars_per_token
+from widellm.kv_transfer.config import KVTransferConfig
 from widellm.model.loader import load_eos_token_ids
 from widellm.sampling_params import SamplingParams
 
@@ -25,21 +26,25 @@ PromptType = str | Sequence[int] | dict[str, Any]
 
 class InputProcessor:
     @classmethod
-    def from_model_config(cls, model_config: ModelConfig) -> "InputProcessor":
+    def from_model_config(cls, model_config: ModelConfig,
+                          kv_transfer_config: KVTransferConfig | None = None
+                          ) -> "InputProcessor":
         """Tokenizer and EOS ids (generation config first, else the tokenizer's EOS)."""
         tokenizer = get_tokenizer(model_config.tokenizer)
         eos = load_eos_token_ids(model_config.model, model_config.hf_config)
         if not eos and tokenizer.eos_token_id is not None:
             eos = [tokenizer.eos_token_id]
-        return cls(model_config, tokenizer, eos)
+        return cls(model_config, tokenizer, eos, kv_transfer_config)
 
     def __init__(
         self,
         model_config: ModelConfig,
         tokenizer: PreTrainedTokenizerBase | None,
         eos_token_ids: list[int],
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.kv_transfer_config = kv_transfer_config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = model_config.hf_config.vocab_size
@@ -107,6 +112,7 @@ class InputProcessor:
         """One engine-core request per sample (``core_ids`` from the output processor)."""
         room = self.model_config.max_model_len - len(token_ids)
         max_tokens = max(1, room) if params.max_tokens is None else params.max_tokens
+        kv_params = self.kv_transfer_params(params, len(core_ids))
         now = time.monotonic()
         requests = []
         for i, core_id in enumerate(core_ids):
@@ -122,5 +128,37 @@ class InputProcessor:
                 max_tokens=max_tokens,
                 arrival_time=now,
                 cache_salt=cache_salt,
+                kv_transfer_params=kv_params,
             ))
         return requests
+
+    def kv_transfer_params(self, params: SamplingParams, n: int) -> dict | None:
+        """``extra_args["kv_transfer_params"]`` checked against this instance's connector: a
+        request for a transfer the instance cannot make is refused, never ignored."""
+        kv = (params.extra_args or {}).get("kv_transfer_params")
+        if kv is None:
+            return None
+        if not isinstance(kv, dict):
+            raise ValueError("kv_transfer_params: must be an object")
+        remote_prefill, remote_decode = bool(kv.get("do_remote_prefill")), bool(
+            kv.get("do_remote_decode"))
+        if not (remote_prefill or remote_decode):
+            return None
+        cfg = self.kv_transfer_config
+        if cfg is None:
+            raise ValueError("kv_transfer_params: this instance runs no KV connector "
+                             "(start it with --kv-transfer-config)")
+        if remote_prefill and remote_decode:
+            raise ValueError("kv_transfer_params: do_remote_prefill and do_remote_decode "
+                             "cannot both be set")
+        if remote_decode and not cfg.is_producer:
+            raise ValueError(f"kv_transfer_params: do_remote_decode needs a kv_producer or "
+                             f"kv_both instance; this one is {cfg.kv_role}")
+        if remote_prefill and not cfg.is_consumer:
+            raise ValueError(f"kv_transfer_params: do_remote_prefill needs a kv_consumer or "
+                             f"kv_both instance; this one is {cfg.kv_role}")
+        if n > 1:
+            # Every sample would pull the same remote blocks, and one lease serves one pull.
+            raise ValueError("kv_transfer_params: n > 1 is not supported with a remote "
+                             "prefill or decode; send n > 1 to one instance")
+        return kv

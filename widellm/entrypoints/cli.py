@@ -54,6 +54,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     run_server(args)
 
 
+def cmd_proxy(args: argparse.Namespace) -> None:
+    from widellm.kv_transfer.proxy import run_proxy
+
+    run_proxy(args)
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> None:
     from widellm.bench.throughput import run
 
@@ -86,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(chat)
     EngineArgs.add_cli_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    proxy = sub.add_parser("proxy", help="OpenAI-compatible front over disaggregated prefill "
+                                         "and decode instances")
+    from widellm.kv_transfer.proxy_routing import add_proxy_cli_args
+
+    add_proxy_cli_args(proxy)
+    proxy.set_defaults(func=cmd_proxy)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

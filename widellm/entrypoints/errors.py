@@ -13,7 +13,7 @@ from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
-from widellm.engine.async_llm import EngineDrainingError
+from widellm.engine.async_llm import EngineDrainingError, RequestFailedError
 from widellm.engine.core_client import EngineDeadError
 from widellm.entrypoints.protocol import ErrorInfo, ErrorResponse
 
@@ -84,5 +84,7 @@ def to_api_error(err: BaseException) -> APIError:
         return APIError(f"the engine is dead: {err}", HTTPStatus.INTERNAL_SERVER_ERROR)
     if isinstance(err, EngineDrainingError):
         return APIError(str(err), HTTPStatus.SERVICE_UNAVAILABLE)
+    if isinstance(err, RequestFailedError):
+        return APIError(f"the request failed: {err}", HTTPStatus.INTERNAL_SERVER_ERROR)
     return APIError(f"internal error: {type(err).__name__}: {err}",
                     HTTPStatus.INTERNAL_SERVER_ERROR)

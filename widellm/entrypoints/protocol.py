@@ -121,6 +121,10 @@ class SamplingRequest(RequestModel):
     # vLLM's field: requests with different salts never share prefix-cache blocks (tenant
     # isolation); the same salt shares; none shares with every other unsalted request.
     cache_salt: StrictStr | None = None
+    # vLLM's field for disaggregated prefill/decode (see widellm/kv_transfer): what the
+    # proxy tells a prefill instance ({"do_remote_decode": true}) or hands a decode instance
+    # (the prefill's answer).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -137,6 +141,8 @@ class SamplingRequest(RequestModel):
         """Raises ValueError naming the parameter for out-of-range values."""
         kwargs = {k: getattr(self, k) for k in SAMPLING_FIELDS}
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if self.kv_transfer_params is not None:
+            extra["extra_args"] = {"kv_transfer_params": self.kv_transfer_params}
         return SamplingParams(**kwargs, **extra)
 
 
@@ -276,7 +282,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(OpenAIBaseModel):
+class _CompletionBody(OpenAIBaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
@@ -285,7 +291,12 @@ class CompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
-class CompletionStreamResponse(CompletionResponse):
+class CompletionResponse(_CompletionBody):
+    # A prefill instance's answer for the decode instance (disaggregated prefill/decode).
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class CompletionStreamResponse(_CompletionBody):
     """One SSE chunk; ``usage`` is set only on the final usage chunk."""
 
 
@@ -323,6 +334,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
+    # A prefill instance's answer for the decode instance (disaggregated prefill/decode).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

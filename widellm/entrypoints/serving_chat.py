@@ -82,6 +82,7 @@ class _ChatRun:
         self.created = int(time.time())
         self.num_tokens = [0] * params.n
         self.finished = [False] * params.n
+        self.kv_transfer_params: dict | None = None
 
     async def _samples(self) -> AsyncIterator[CompletionOutput]:
         """New output of each choice, once per choice after it finished."""
@@ -90,6 +91,7 @@ class _ChatRun:
                                            cache_salt=self.request.cache_salt)
         async with aclosing(gen):
             async for output in gen:
+                self.kv_transfer_params = output.kv_transfer_params or self.kv_transfer_params
                 for sample in output.outputs:
                     if self.finished[sample.index]:  # later outputs repeat its finish reason
                         continue
@@ -150,4 +152,5 @@ class _ChatRun:
             for i in range(self.params.n)
         ]
         return ChatCompletionResponse(id=self.request_id, created=self.created,
-                                      model=self.model, choices=choices, usage=self.usage())
+                                      model=self.model, choices=choices, usage=self.usage(),
+                                      kv_transfer_params=self.kv_transfer_params)

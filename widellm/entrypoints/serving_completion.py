@@ -4,6 +4,7 @@ prompt index * n + sample index), streamed as SSE chunks or returned whole."""
 from __future__ import annotations
 
 import time
+from http import HTTPStatus
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from widellm.entrypoints.errors import APIError
 from widellm.entrypoints.protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
     CompletionStreamResponse, UsageInfo,
@@ -33,6 +35,9 @@ class OpenAIServingCompletion(OpenAIServing):
         rank = self.data_parallel_rank(raw_request)
         params = self.sampling_params(request)
         prompts = await self.tokenize_prompts(request.prompts(), "prompt")
+        if request.kv_transfer_params is not None and len(prompts) > 1:
+            raise APIError("kv_transfer_params: one prompt per request (each prompt's KV "
+                           "moves on its own)", HTTPStatus.BAD_REQUEST, "kv_transfer_params")
         for _, ids in prompts:
             self.check_length(len(ids), params.max_tokens, "prompt")
         run = _CompletionRun(self, request, params, model, prompts, rank)
@@ -98,6 +103,7 @@ class _CompletionRun:
         self.request_id = f"cmpl-{random_uuid()}"
         self.created = int(time.time())
         self.choices = [_ChoiceState() for _ in range(len(prompts) * params.n)]
+        self.kv_transfer_params: dict | None = None
 
     def _decode(self, token_id: int) -> str:
         return self.serving.tokenizer.decode([token_id])
@@ -116,6 +122,7 @@ class _CompletionRun:
         ]
         async with aclosing(merge_async_iterators(generators)) as merged:
             async for prompt_index, output in merged:
+                self.kv_transfer_params = output.kv_transfer_params or self.kv_transfer_params
                 for sample in output.outputs:
                     delta = self._delta(prompt_index, output, sample)
                     if delta is not None:
@@ -189,4 +196,5 @@ class _CompletionRun:
                         getattr(whole.logprobs, name).extend(getattr(delta.logprobs, name))
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                   choices=[merged[i] for i in sorted(merged)],
-                                  usage=self.usage())
+                                  usage=self.usage(),
+                                  kv_transfer_params=self.kv_transfer_params)

@@ -20,6 +20,9 @@ from widellm.core.scheduler_output import SchedulerOutput
 from widellm.device import on_cuda
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.forward_context import DPMetadata, set_forward_context
+from widellm.kv_transfer.base import KVConnectorWorker
+from widellm.kv_transfer.kv_layout import block_dim_of
+from widellm.kv_transfer.registry import make_worker
 from widellm.layers.attention_metadata import (
     build_attention_metadata, dummy_attention_metadata, pad_attention_metadata,
 )
@@ -102,6 +105,11 @@ class ModelRunner:
         self.dbo = (DualBatchRunner(self.model)
                     if self.ep_size is not None and config.parallel_config.enable_dbo != "off"
                     else None)
+        # Disaggregated prefill/decode: the KV connector's worker half (it owns the transport
+        # and reads or writes this rank's KV cache outside the forward).
+        kvt = config.kv_transfer_config
+        self.kv_connector: KVConnectorWorker | None = (
+            make_worker(kvt, self.block_size, rank) if kvt is not None else None)
         if ep is not None and ep.enable_eplb:
             pc = config.parallel_config
             num_nodes = max(1, pc.data_parallel_size // pc.local_size)
@@ -111,6 +119,9 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(
+                self.kv_caches, [block_dim_of(m, self.block_size) for m in self.kv_spec.layers])
         if not on_cuda():
             # Only now: weights and KV cache keep their own (huge-page friendly) mappings;
             # what follows is per-step activations, which should recycle heap memory.
@@ -220,6 +231,8 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self.dbo is not None:
             self.dbo.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     def _dp_metadata(self, num_rows: int, agreed: DPMetadata | None) -> DPMetadata | None:
         """The step's agreement, checked against this rank's forward; None on one rank."""

@@ -1,0 +1,485 @@
+"""``widellm proxy`` against fake prefill and decode backends (FastAPI apps served by uvicorn in
+threads on free ports): the request each backend gets, what the client gets back, failover,
+health, metrics, API key; and the routing policy on its own. No engine, CPU only."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
+
+from widellm.kv_transfer import proxy_routing as routing
+from widellm.kv_transfer.proxy import build_app
+
+STARTUP_TIMEOUT_S = 10.0
+GATE_TIMEOUT_S = 10.0
+CLI_TIMEOUT_S = 60.0
+PORT_RE = re.compile(r"http://127\.0\.0\.1:(\d+)(?= \(OpenAI)")
+SSE_CHUNKS = [b'data: {"id": "c1", "choices": [{"index": 0, "text": "Hel"}]}\n\n',
+              b'data: {"id": "c1", "choices": [{"index": 0, "text": "lo"}]}\n\n',
+              b"data: [DONE]\n\n"]
+DECODE_ANSWER = {"id": "cmpl-1", "object": "text_completion",
+                 "choices": [{"index": 0, "text": " world", "finish_reason": "length"}]}
+PREFILL_DEFAULT = {"do_remote_decode": True, "do_remote_prefill": False}
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Served:
+    """A FastAPI app served by uvicorn in a thread on a free port of 127.0.0.1."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Ask uvicorn to exit; ``join`` waits for it (apart, so that many stop together)."""
+        self.server.should_exit = True
+
+    def join(self) -> None:
+        self.thread.join(STARTUP_TIMEOUT_S)
+        self.sock.close()
+
+
+class FakeBackend:
+    """A prefill or decode instance: records what it is sent, answers as told."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.bodies: list[dict] = []
+        self.headers: list[dict] = []
+        self.status = 200  # of the completion routes
+        self.health_status = 200
+        self.kv_params: dict | None = None  # set below to the prefill's answer
+        self.gate: threading.Event | None = None  # holds a stream after its first chunk
+        app = FastAPI()
+        app.post("/v1/completions")(self._complete)
+        app.post("/v1/chat/completions")(self._complete)
+        app.get("/health")(self._health)
+        app.get("/v1/models")(self._models)
+        self.served = Served(app)
+        self.url = self.served.url
+        if role == "prefill":
+            self.kv_params = {"do_remote_prefill": True, "do_remote_decode": False,
+                              "remote_request_id": f"rid-{self.url}", "remote_host": "10.0.0.9",
+                              "remote_port": 7777, "remote_block_ids": [3, 4]}
+
+    async def _complete(self, request: Request):
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        if self.status != 200:
+            return JSONResponse({"error": {"message": f"{self.role} says no", "code": self.status}},
+                                status_code=self.status)
+        if self.role == "prefill":
+            return {**DECODE_ANSWER, "kv_transfer_params": self.kv_params}
+        if body.get("stream"):
+            return StreamingResponse(self._stream(), media_type="text/event-stream")
+        return DECODE_ANSWER
+
+    async def _stream(self):
+        yield SSE_CHUNKS[0]
+        if self.gate is not None:
+            assert await asyncio.to_thread(self.gate.wait, GATE_TIMEOUT_S)
+        for chunk in SSE_CHUNKS[1:]:
+            yield chunk
+
+    async def _health(self):
+        return JSONResponse({}, status_code=self.health_status)
+
+    async def _models(self):
+        return {"object": "list", "data": [{"id": f"model-of-{self.url}"}]}
+
+
+def dead_url() -> str:
+    """A URL nothing listens on (connections are refused at once)."""
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def cluster():
+    """``backends(role, n)`` / ``pair()`` -> fake backends; ``proxy(prefill_urls, decode_urls,
+    **build_app_kwargs)`` -> its URL; everything is stopped on teardown, even after a failure."""
+    started: list[Served] = []
+
+    class Cluster:
+        def backends(self, role: str, n: int) -> list[FakeBackend]:
+            out = [FakeBackend(role) for _ in range(n)]
+            started.extend(b.served for b in out)
+            return out
+
+        def pair(self) -> tuple[FakeBackend, FakeBackend]:
+            return self.backends("prefill", 1)[0], self.backends("decode", 1)[0]
+
+        def proxy(self, prefill: list[str], decode: list[str], **kw) -> str:
+            started.append(Served(build_app(prefill, decode, **kw)))
+            return started[-1].url
+
+    try:
+        yield Cluster()
+    finally:
+        for served in started:
+            served.stop()
+        for served in started:
+            served.join()
+
+
+def metric_values(url: str) -> dict[tuple[str, frozenset], float]:
+    text = httpx.get(url + "/metrics").text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def requests_total(values: dict, pool: str, instance: str, status: str) -> float | None:
+    key = frozenset({"pool": pool, "instance": instance, "status": status}.items())
+    return values.get(("widellm:proxy_requests_total", key))
+
+
+COMPLETION = {"model": "m", "prompt": "The capital of France is", "max_tokens": 5,
+              "temperature": 0.0}
+
+
+def test_completion_goes_prefill_then_decode(cluster):
+    p, d = cluster.pair()
+    url = cluster.proxy([p.url], [d.url])
+    r = httpx.post(url + "/v1/completions", json=COMPLETION)
+    assert r.status_code == 200 and r.json() == DECODE_ANSWER
+    assert p.bodies == [{**COMPLETION, "max_tokens": 1, "stream": False, "n": 1,
+                         "kv_transfer_params": PREFILL_DEFAULT}]
+    assert d.bodies == [{**COMPLETION, "kv_transfer_params": p.kv_params}]
+    rid = p.headers[0]["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", rid) and d.headers[0]["x-request-id"] == rid
+    assert "authorization" not in p.headers[0]
+    values = metric_values(url)
+    assert requests_total(values, "prefill", p.url, "200") == 1.0
+    assert requests_total(values, "decode", d.url, "200") == 1.0
+    assert values[("widellm:proxy_prefill_fallbacks_total", frozenset())] == 0.0
+    assert values[("widellm:proxy_requests_in_flight",
+                   frozenset({"pool": "decode", "instance": d.url}.items()))] == 0.0
+    assert values[("widellm:proxy_request_duration_seconds_count",
+                   frozenset({"pool": "prefill"}.items()))] == 1.0
+
+
+def test_chat_stream_passes_bytes_through_as_they_arrive(cluster):
+    p, d = cluster.pair()
+    d.gate = threading.Event()
+    url = cluster.proxy([p.url], [d.url])
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 7, "stream": True, "stream_options": {"include_usage": True}}
+    got = b""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body,
+                      headers={"X-Request-Id": "req-42"}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        chunks = r.iter_raw()
+        while len(got) < len(SSE_CHUNKS[0]):  # the decode holds the rest until the gate opens
+            got += next(chunks)
+        assert got == SSE_CHUNKS[0]
+        d.gate.set()
+        got += b"".join(chunks)
+    assert got == b"".join(SSE_CHUNKS)
+    expected = {k: v for k, v in body.items() if k != "stream_options"}
+    assert p.bodies == [{**expected, "max_completion_tokens": 1, "stream": False, "n": 1,
+                         "kv_transfer_params": PREFILL_DEFAULT}]
+    assert "max_tokens" not in p.bodies[0]
+    assert d.bodies == [{**body, "kv_transfer_params": p.kv_params}]
+    assert p.headers[0]["x-request-id"] == d.headers[0]["x-request-id"] == "req-42"
+
+
+def test_client_leaving_a_stream_ends_the_decode_call(cluster):
+    p, d = cluster.pair()
+    d.gate = threading.Event()  # never set: the decode stream stays open until closed
+    url = cluster.proxy([p.url], [d.url])
+    with httpx.stream("POST", url + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+        assert next(r.iter_raw()) == SSE_CHUNKS[0]
+    key = ("widellm:proxy_requests_in_flight", frozenset({"pool": "decode",
+                                                          "instance": d.url}.items()))
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while metric_values(url)[key] != 0.0:
+        assert time.monotonic() < deadline, "the decode call is still counted in flight"
+        time.sleep(0.02)
+    d.gate.set()
+
+
+def test_decode_error_on_a_stream_is_plain_json(cluster):
+    p, d = cluster.pair()
+    d.status = 503
+    url = cluster.proxy([p.url], [d.url])
+    r = httpx.post(url + "/v1/completions", json={**COMPLETION, "stream": True})
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"error": {"message": "decode says no", "code": 503}}
+    assert requests_total(metric_values(url), "decode", d.url, "503") == 1.0
+
+
+def test_prefill_5xx_falls_back_to_the_next(cluster):
+    p0, p1 = cluster.backends("prefill", 2)
+    (d,) = cluster.backends("decode", 1)
+    p0.status = 500
+    url = cluster.proxy([p0.url, p1.url], [d.url])
+    r = httpx.post(url + "/v1/completions", json=COMPLETION)
+    assert r.status_code == 200 and r.json() == DECODE_ANSWER
+    assert len(p0.bodies) == len(p1.bodies) == 1
+    assert d.bodies == [{**COMPLETION, "kv_transfer_params": p1.kv_params}]
+    values = metric_values(url)
+    assert values[("widellm:proxy_prefill_fallbacks_total", frozenset())] == 1.0
+    assert requests_total(values, "prefill", p0.url, "500") == 1.0
+    assert requests_total(values, "prefill", p1.url, "200") == 1.0
+
+
+def test_all_prefills_down_is_502(cluster):
+    (d,) = cluster.backends("decode", 1)
+    dead = [dead_url(), dead_url()]
+    url = cluster.proxy(dead, [d.url])
+    r = httpx.post(url + "/v1/completions", json=COMPLETION)
+    assert r.status_code == 502
+    err = r.json()["error"]
+    assert err["type"] == "BadGateway" and err["code"] == 502 and err["param"] is None
+    assert err["message"].startswith("no prefill instance could prefill the request: ")
+    assert dead[0] in err["message"] and dead[1] in err["message"]
+    assert "ConnectError" in err["message"]
+    assert d.bodies == []
+    values = metric_values(url)
+    assert requests_total(values, "prefill", dead[0], "error") == 1.0
+    assert requests_total(values, "prefill", dead[1], "error") == 1.0
+    assert values[("widellm:proxy_prefill_fallbacks_total", frozenset())] == 1.0
+
+
+def test_prefill_4xx_is_the_clients_answer(cluster):
+    p0, p1 = cluster.backends("prefill", 2)
+    (d,) = cluster.backends("decode", 1)
+    p0.status = 400
+    url = cluster.proxy([p0.url, p1.url], [d.url])
+    r = httpx.post(url + "/v1/completions", json=COMPLETION)
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": "prefill says no", "code": 400}}
+    assert len(p0.bodies) == 1 and p1.bodies == [] and d.bodies == []
+
+
+def test_prefill_without_params_lets_decode_compute(cluster):
+    p, d = cluster.pair()
+    p.kv_params = None
+    url = cluster.proxy([p.url], [d.url])
+    assert httpx.post(url + "/v1/completions", json=COMPLETION).status_code == 200
+    assert len(p.bodies) == 1 and d.bodies == [COMPLETION]
+
+
+@pytest.mark.parametrize("extra", [{"n": 2}, {"best_of": 3}, {"prompt": ["a", "b"]}])
+def test_several_sequences_skip_prefill(cluster, extra):
+    p, d = cluster.pair()
+    url = cluster.proxy([p.url], [d.url])
+    body = {**COMPLETION, **extra}
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 200
+    assert p.bodies == [] and d.bodies == [body]
+
+
+def test_decode_connect_failure_tries_the_next_then_502(cluster):
+    p, d = cluster.pair()
+    dead = dead_url()
+    url = cluster.proxy([p.url], [dead, d.url])
+    assert httpx.post(url + "/v1/completions", json=COMPLETION).json() == DECODE_ANSWER
+    assert len(d.bodies) == 1
+    url2 = cluster.proxy([p.url], [dead])
+    r = httpx.post(url2 + "/v1/completions", json=COMPLETION)
+    assert r.status_code == 502 and r.json()["error"]["type"] == "BadGateway"
+    assert dead in r.json()["error"]["message"]
+    assert requests_total(metric_values(url2), "decode", dead, "error") == 1.0
+
+
+def test_api_key(cluster):
+    p, d = cluster.pair()
+    url = cluster.proxy([p.url], [d.url], api_key="sekret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(url + "/v1/completions", json=COMPLETION, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "AuthenticationError"
+        assert r.json()["error"]["code"] == 401
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert p.bodies == [] and d.bodies == []
+    good = {"Authorization": "Bearer sekret"}
+    assert httpx.post(url + "/v1/completions", json=COMPLETION, headers=good).status_code == 200
+    assert p.headers[0]["authorization"] == d.headers[0]["authorization"] == "Bearer sekret"
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 200
+
+
+def test_health(cluster):
+    p, d = cluster.pair()
+    dead = dead_url()
+    url = cluster.proxy([p.url, dead], [d.url])
+    r = httpx.get(url + "/health")
+    assert r.status_code == 200
+    assert r.json()["decode"] == [{"url": d.url, "status": 200}]
+    assert r.json()["prefill"][0] == {"url": p.url, "status": 200}
+    assert r.json()["prefill"][1]["url"] == dead and r.json()["prefill"][1]["status"] is None
+    d.health_status = 503
+    r = httpx.get(url + "/health")
+    assert r.status_code == 503 and r.json()["decode"] == [{"url": d.url, "status": 503}]
+    url2 = cluster.proxy([p.url], [dead])
+    assert httpx.get(url2 + "/health").status_code == 503
+
+
+def test_models_from_first_answering_decode(cluster):
+    p, d = cluster.pair()
+    url = cluster.proxy([p.url], [dead_url(), d.url])
+    assert httpx.get(url + "/v1/models").json()["data"] == [{"id": f"model-of-{d.url}"}]
+
+
+def test_bad_body_is_400(cluster):
+    p, d = cluster.pair()
+    url = cluster.proxy([p.url], [d.url])
+    for content in (b"{not json", b"[1, 2]"):
+        r = httpx.post(url + "/v1/completions", content=content)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    assert p.bodies == [] and d.bodies == []
+
+
+# --- routing, on its own -------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_block_keys_chain():
+    a = routing.block_keys("x" * routing.PREFIX_BLOCK_CHARS * 2 + "tail")
+    b = routing.block_keys("x" * routing.PREFIX_BLOCK_CHARS * 2 + "other tail")
+    c = routing.block_keys("y" + "x" * (routing.PREFIX_BLOCK_CHARS * 2 - 1))
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert c[0] != a[0] and c[1] != a[1]  # a changed first block changes every later key
+    assert routing.block_keys("") == []
+    assert routing.prompt_text({"messages": [{"role": "u", "content": "c"}]}, chat=True) == \
+        routing.prompt_text({"messages": [{"content": "c", "role": "u"}]}, chat=True)
+    assert routing.prompt_text({"prompt": [1, 2, 3]}, chat=False) == "[1,2,3]"
+
+
+def test_round_robin_when_nothing_matches():
+    pool = routing.InstancePool(["a", "b", "c"])
+    assert [pool.choose([]) for _ in range(4)] == [0, 1, 2, 0]
+    assert pool.choose([], exclude=[0, 1, 2]) is None
+    assert pool.choose([], exclude=[1]) == 2  # the cursor is at 1: 2 comes next
+
+
+def test_prefix_affinity():
+    pool = routing.InstancePool(["a", "b", "c"])
+    shared = routing.block_keys("s" * routing.PREFIX_BLOCK_CHARS * 3)
+    pool.record(2, shared[:2])
+    pool.record(1, shared[:1])
+    assert pool.matched_blocks(2, shared) == 2 and pool.matched_blocks(0, shared) == 0
+    assert [pool.choose(shared) for _ in range(3)] == [2, 2, 2]
+    assert pool.choose(routing.block_keys("unrelated")) == 0  # round-robin cursor after 2
+
+
+def test_load_imbalance_overrides_affinity():
+    pool = routing.InstancePool(["a", "b", "c"], max_load_imbalance=4)
+    keys = routing.block_keys("p" * routing.PREFIX_BLOCK_CHARS)
+    pool.record(1, keys)
+    pool.in_flight[:] = [2, 6, 3]
+    assert pool.choose(keys) == 1  # 6 - 2 == 4: still within the imbalance
+    pool.in_flight[:] = [2, 7, 3]
+    assert pool.choose(keys) == 0  # too busy: the least loaded instead
+    pool.record(2, keys)
+    assert pool.choose(keys) == 2  # the next best match within the imbalance
+    pool.in_flight[:] = [1, 1, 0]
+    assert pool.choose(routing.block_keys("none")) == 2  # no match: least loaded
+
+
+def test_unhealthy_instances_are_skipped_for_the_cooldown():
+    clock = FakeClock()
+    pool = routing.InstancePool(["a", "b"], cooldown_s=5.0, clock=clock)
+    keys = routing.block_keys("q")
+    pool.record(0, keys)
+    pool.mark_failed(0)
+    assert pool.choose(keys) == 1
+    clock.now += 4.9
+    assert pool.choose(keys) == 1
+    clock.now = 105.0
+    assert pool.choose(keys) == 0
+    pool.mark_failed(0)
+    pool.mark_failed(1)
+    assert pool.choose(keys) == 0  # all unhealthy: use them anyway, prefix still counts
+    pool.mark_ok(1)
+    assert pool.choose(keys) == 1
+
+
+def test_seen_keys_are_lru_bounded():
+    pool = routing.InstancePool(["a"], max_keys=2)
+    k = routing.block_keys("k" * routing.PREFIX_BLOCK_CHARS * 3)
+    pool.record(0, k)
+    assert pool.matched_blocks(0, k) == 0  # k[0] was evicted: the chain breaks at once
+    assert pool.matched_blocks(0, k[1:]) == 2
+
+
+def test_prefill_body_and_skips():
+    chat = {"messages": [], "max_tokens": 9, "max_completion_tokens": 9, "min_tokens": 3}
+    assert routing.prefill_body(chat, chat=True) == {
+        "messages": [], "max_tokens": 1, "max_completion_tokens": 1, "stream": False, "n": 1,
+        "kv_transfer_params": PREFILL_DEFAULT}
+    assert routing.prefill_body({"messages": []}, chat=True)["max_tokens"] == 1
+    assert not routing.skips_disaggregation({"n": 1, "best_of": 1, "prompt": [1, 2, 3]})
+    assert not routing.skips_disaggregation({"prompt": ["one"]})
+    assert routing.skips_disaggregation({"n": 2})
+    assert routing.skips_disaggregation({"prompt": [[1], [2]]})
+
+
+def test_cli_proxy_starts_and_serves(cluster):
+    p, d = cluster.pair()
+    cmd = [sys.executable, "-m", "widellm.entrypoints.cli", "proxy"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WIDELLM_API_KEY", None)
+    helper = subprocess.Popen(cmd + ["--help"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd + ["--prefill", p.url, "--decode", d.url, "--port", "0"],
+                            cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT_S
+        lines: list[str] = []
+        port = None
+        while port is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line, "proxy exited: " + "".join(lines)
+            lines.append(line)
+            if m := PORT_RE.search(line):
+                port = int(m.group(1))
+        assert port is not None, "".join(lines)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=COMPLETION)
+        assert r.json() == DECODE_ANSWER
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(CLI_TIMEOUT_S) == 0
+        out, err = helper.communicate(timeout=CLI_TIMEOUT_S)
+        assert helper.returncode == 0, err
+        for flag in ("--prefill", "--decode", "--max-load-imbalance", "--request-timeout-s",
+                     "--api-key"):
+            assert flag in out
+    finally:
+        for child in (proc, helper):
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        proc.stderr.close()

@@ -1,0 +1,224 @@
+"""``TCPConnector``: KV transfer between independent deployments over plain TCP.
+
+Extra config (``kv_connector_extra_config``): ``side_channel_host`` (the address consumers
+reach this instance at, and bind to; default 127.0.0.1), ``side_channel_port`` (rank r
+listens on port + r; default 0: a free port per rank), ``lease_s`` (how long a finished
+prompt's blocks wait for their consumer; default 30), ``transfer_timeout_s`` (default 30),
+``heartbeat_interval_s`` (default a third of the producer's lease).
+
+The consumer pulls: one connection per request, whole blocks layer by layer, each layer's
+crc32 checked before it is written into the cache. Loads run on a thread pool, so the engine
+keeps stepping other requests meanwhile. The side channel that serves them is this process's
+own, so a restarted producer has a new engine id and refuses pulls made for the old one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from widellm.kv_transfer import tcp_client
+from widellm.kv_transfer.base import (
+    KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker, LoadSpec,
+)
+from widellm.kv_transfer.config import KVTransferConfig
+from widellm.kv_transfer.holds import HoldTable
+from widellm.kv_transfer.stats import KVTransferStats, TransferError
+from widellm.kv_transfer.tcp_server import SideChannelServer
+
+logger = logging.getLogger(__name__)
+
+# Loads in flight at once; each is one connection and one layer's staging buffer.
+MAX_CONCURRENT_LOADS = 8
+# Shortest gap between two heartbeat rounds (a very short lease must not flood the producer).
+MIN_HEARTBEAT_INTERVAL_S = 0.2
+HEARTBEAT_TIMEOUT_S = 5.0
+
+
+class TCPConnectorWorker(KVConnectorWorker):
+    def __init__(self, config: KVTransferConfig, block_size: int, dp_rank: int) -> None:
+        super().__init__(config, block_size)
+        # A new identity every start: pulls meant for a previous process are refused.
+        self.engine_id = f"{uuid.uuid4().hex}-dp{dp_rank}"
+        self.holds = HoldTable(config.lease_s)
+        self.caches: list[torch.Tensor] = []
+        self.block_dims: list[int] = []
+        self._lock = threading.Lock()
+        self._progress = threading.Event()
+        self._stats = KVTransferStats(failures={}, send_failures={})
+        self._recved: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._load_errors: set[int] = set()
+        self._tracked: dict[str, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self.server = None
+        if config.is_producer:
+            base = int(config.extra("side_channel_port", 0))
+            self.server = SideChannelServer(
+                str(config.extra("side_channel_host", "127.0.0.1")),
+                base + dp_rank if base else 0, self.engine_id, self.holds,
+                lambda: (self.caches, self.block_dims), self._sent, config.transfer_timeout_s)
+        self._loads = None
+        self._heartbeats = None
+        if config.is_consumer:
+            self._loads = ThreadPoolExecutor(MAX_CONCURRENT_LOADS,
+                                             thread_name_prefix="widellm-kv-load")
+            self._heartbeats = threading.Thread(target=self._heartbeat_loop,
+                                                name="widellm-kv-heartbeat", daemon=True)
+            self._heartbeats.start()
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dims: list[int]) -> None:
+        self.caches, self.block_dims = list(kv_caches), list(block_dims)
+
+    def transfer_params(self) -> dict[str, Any]:
+        if self.server is None:
+            return {}
+        return {"remote_engine_id": self.engine_id, "remote_host": self.server.host,
+                "remote_port": self.server.port, "lease_s": self.holds.lease_s}
+
+    # ---- the engine loop's calls -------------------------------------------------------
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        for rid, block_ids in metadata.reqs_to_hold.items():
+            self.holds.add(rid, block_ids)
+        with self._lock:
+            self._tracked.update(metadata.reqs_to_track)
+            for rid in metadata.reqs_to_release:
+                self._tracked.pop(rid, None)
+            for rid in metadata.reqs_to_load:
+                self._tracked.pop(rid, None)
+        if metadata.reqs_to_release:
+            self._loads.submit(self._release, metadata.reqs_to_release)
+        for rid, spec in metadata.reqs_to_load.items():
+            self._loads.submit(self._load, rid, spec)
+
+    def get_finished(self) -> KVConnectorOutput:
+        sent = self.holds.collect_ended()
+        with self._lock:
+            out = KVConnectorOutput(sent, self._recved, self._failed)
+            self._recved, self._failed = set(), {}
+            self._progress.clear()
+        return out
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def stats(self) -> KVTransferStats:
+        held, blocks = self.holds.counts()
+        with self._lock:
+            s = self._stats
+            return KVTransferStats(
+                s.bytes_received, s.bytes_sent, s.recv_seconds, s.send_seconds, s.num_loads,
+                s.num_sends, dict(s.failures), dict(s.send_failures),
+                self.holds.leases_expired, held, blocks)
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        expiry = self.holds.next_expiry_in()
+        self._progress.wait(timeout_s if expiry is None else min(timeout_s, expiry))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.server.close()
+        if self._loads is not None:
+            self._loads.shutdown(wait=False, cancel_futures=True)
+        if self._heartbeats is not None:
+            self._heartbeats.join()
+
+    # ---- background threads ------------------------------------------------------------
+
+    def _load(self, rid: str, spec: LoadSpec) -> None:
+        if (cause := spec.params.get("error")) is not None:
+            self._fail(rid, cause, spec.local_block_ids)
+            return
+        start = time.perf_counter()
+        try:
+            num_bytes = tcp_client.pull(spec.params, spec.remote_block_ids,
+                                        spec.local_block_ids, self.caches, self.block_dims,
+                                        self.config.transfer_timeout_s)
+        except TransferError as e:
+            logger.warning("KV load of %s failed: %s", rid, e)
+            self._fail(rid, e.cause, spec.local_block_ids)
+            return
+        except Exception as e:  # a bug must fail the request, never leave it waiting
+            logger.exception("KV load of %s failed", rid)
+            self._fail(rid, "connection", spec.local_block_ids, str(e))
+            return
+        with self._lock:
+            self._stats.bytes_received += num_bytes
+            self._stats.recv_seconds += time.perf_counter() - start
+            self._stats.num_loads += 1
+            self._recved.add(rid)
+            self._progress.set()
+
+    def _fail(self, rid: str, cause: str, block_ids: list[int], _detail: str = "") -> None:
+        with self._lock:
+            self._stats.failures[cause] = self._stats.failures.get(cause, 0) + 1
+            self._failed[rid] = cause
+            self._load_errors.update(block_ids)
+            self._tracked.pop(rid, None)
+            self._progress.set()
+
+    def _sent(self, num_bytes: int, seconds: float, cause: str | None) -> None:
+        with self._lock:
+            if cause is None:
+                self._stats.bytes_sent += num_bytes
+                self._stats.send_seconds += seconds
+                self._stats.num_sends += 1
+            else:
+                self._stats.send_failures[cause] = self._stats.send_failures.get(cause, 0) + 1
+            self._progress.set()
+
+    def _release(self, reqs: dict[str, dict[str, Any]]) -> None:
+        for (host, port, engine), pairs in _by_producer(reqs).items():
+            try:
+                tcp_client.release(host, port, engine, [r for _, r in pairs],
+                                   HEARTBEAT_TIMEOUT_S)
+            except TransferError as e:  # the lease frees them in the end
+                logger.info("KV release at %s:%s failed: %s", host, port, e)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                tracked = dict(self._tracked)
+            leases = [float(p.get("lease_s", self.config.lease_s)) for p in tracked.values()]
+            interval = float(self.config.extra(
+                "heartbeat_interval_s", min(leases, default=self.config.lease_s) / 3))
+            for (host, port, engine), pairs in _by_producer(tracked).items():
+                remote_to_local = {remote: local for local, remote in pairs}
+                cause = "unknown_request"
+                try:
+                    unknown = tcp_client.heartbeat(host, port, engine, list(remote_to_local),
+                                                   HEARTBEAT_TIMEOUT_S)
+                except TransferError as e:
+                    if e.cause != "engine_mismatch":  # maybe transient; a dead producer
+                        logger.info("KV heartbeat to %s:%s failed: %s", host, port, e)
+                        continue  # fails the pull itself
+                    unknown, cause = list(remote_to_local), e.cause  # restarted: give up
+                for remote in unknown:
+                    local = remote_to_local.get(remote)
+                    with self._lock:
+                        still = local is not None and local in self._tracked
+                    if still:
+                        self._fail(local, cause, [])
+            self._stop.wait(max(interval, MIN_HEARTBEAT_INTERVAL_S))
+
+
+def _by_producer(reqs: dict[str, dict[str, Any]]
+                 ) -> dict[tuple[str, int, str], list[tuple[str, str]]]:
+    """(local id, the producer's request id) pairs grouped by the producer (host, port,
+    engine id) their params name."""
+    groups: dict[tuple[str, int, str], list[tuple[str, str]]] = defaultdict(list)
+    for rid, p in reqs.items():
+        groups[(str(p["remote_host"]), int(p["remote_port"]), str(p["remote_engine_id"]))
+               ].append((rid, str(p["remote_request_id"])))
+    return groups
