@@ -25,9 +25,10 @@ from widellm.core.outputs import EngineCoreOutput, LogprobsLists, ModelRunnerOut
 from widellm.core.request import Request, RequestStatus
 from widellm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
+from widellm.kv_transfer.stats import KVTransferStats
+
 if TYPE_CHECKING:
     from widellm.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
-    from widellm.kv_transfer.stats import KVTransferStats
 
 
 @dataclass(slots=True)
@@ -45,7 +46,7 @@ class SchedulerStats:
     # Forwards (real or dummy) run as two overlapped micro-batches (dual-batch overlap).
     num_dbo_steps: int = 0
     # KV connector counters (None without one); filled in by the engine core.
-    kv_transfer: "KVTransferStats | None" = None
+    kv_transfer: KVTransferStats | None = None
 
 
 class Scheduler:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from widellm.core.outputs import EplbStats
 from widellm.core.scheduler import SchedulerStats
+from widellm.engine.kv_transfer_metrics import KVTransferMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class EngineMetrics:
             "widellm:eplb_max_stall_seconds", "Longest step delay caused by moving one layer's "
             "expert weights", labels, registry=r)
         self._labels = {"model_name": model_name}
+        self.kv_transfer = KVTransferMetrics(r, self._labels)
         # Latest stats of each rank; the core reports running totals.
         self._last_core: dict[int, SchedulerStats] = {}
         self._last_log = time.monotonic()
@@ -110,6 +112,8 @@ class EngineMetrics:
         self.prefix_cache_hits.labels(**lb).inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.labels(**lb).inc(stats.num_preemptions - last.num_preemptions)
         self.dbo_steps.labels(**lb).inc(max(0, stats.num_dbo_steps - last.num_dbo_steps))
+        if stats.kv_transfer is not None:
+            self.kv_transfer.record(stats.kv_transfer, rank)
         self._last_core[rank] = stats
 
     def record_eplb(self, stats: EplbStats) -> None:
