@@ -1,7 +1,8 @@
 """Test-only fault injection for KV transfers, off unless ``WIDELLM_TEST_KV_FAULT_FILE`` is set.
 
-The file holds one fault for the producer to apply to the next sends (``corrupt``, ``short``,
-``stall:SECONDS``, ``exit_mid_transfer``); empty or missing means none. A file, not a fixed
+The file holds one fault to apply to the next transfers: on a producer ``corrupt``, ``short``,
+``stall:SECONDS`` or ``exit_mid_transfer``; on a consumer ``delay_pull:SECONDS`` (it waits,
+heartbeating, before it pulls). Empty or missing means none. A file, not a fixed
 setting, so one running instance can be put through each failure in turn.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 
 FAULT_FILE_ENV = "WIDELLM_TEST_KV_FAULT_FILE"
-FAULTS = ("corrupt", "short", "stall", "exit_mid_transfer")
+FAULTS = ("corrupt", "short", "stall", "exit_mid_transfer", "delay_pull")
 
 
 def current_fault() -> tuple[str, float]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from widellm.kv_transfer import tcp_client
+from widellm.kv_transfer import faults, tcp_client
 from widellm.kv_transfer.base import (
     KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker, LoadSpec,
 )
@@ -57,7 +57,9 @@ class TCPConnectorWorker(KVConnectorWorker):
         self._failed: dict[str, str] = {}
         self._load_errors: set[int] = set()
         self._tracked: dict[str, dict[str, Any]] = {}
+        self._heartbeat_failed: dict[str, str] = {}
         self._stop = threading.Event()
+        self._wake_heartbeats = threading.Event()  # a request to heartbeat for arrived
         self.server = None
         if config.is_producer:
             base = int(config.extra("side_channel_port", 0))
@@ -90,9 +92,10 @@ class TCPConnectorWorker(KVConnectorWorker):
             self.holds.add(rid, block_ids)
         with self._lock:
             self._tracked.update(metadata.reqs_to_track)
+        if metadata.reqs_to_track:
+            self._wake_heartbeats.set()  # its first beat now: a restarted producer fails it
+        with self._lock:
             for rid in metadata.reqs_to_release:
-                self._tracked.pop(rid, None)
-            for rid in metadata.reqs_to_load:
                 self._tracked.pop(rid, None)
         if metadata.reqs_to_release:
             self._loads.submit(self._release, metadata.reqs_to_release)
@@ -127,6 +130,7 @@ class TCPConnectorWorker(KVConnectorWorker):
 
     def shutdown(self) -> None:
         self._stop.set()
+        self._wake_heartbeats.set()
         if self.server is not None:
             self.server.close()
         if self._loads is not None:
@@ -140,6 +144,15 @@ class TCPConnectorWorker(KVConnectorWorker):
         if (cause := spec.params.get("error")) is not None:
             self._fail(rid, cause, spec.local_block_ids)
             return
+        fault, arg = faults.current_fault()
+        if fault == "delay_pull":
+            self._stop.wait(arg)
+        with self._lock:
+            # Heartbeats go on until the pull starts (a queue or a delay may come first);
+            # one that found the producer gone has failed the request already.
+            if self._heartbeat_failed.pop(rid, None) is not None:
+                return
+            self._tracked.pop(rid, None)
         start = time.perf_counter()
         try:
             num_bytes = tcp_client.pull(spec.params, spec.remote_block_ids,
@@ -210,7 +223,10 @@ class TCPConnectorWorker(KVConnectorWorker):
                         still = local is not None and local in self._tracked
                     if still:
                         self._fail(local, cause, [])
-            self._stop.wait(max(interval, MIN_HEARTBEAT_INTERVAL_S))
+                        with self._lock:
+                            self._heartbeat_failed[local] = cause
+            self._wake_heartbeats.wait(max(interval, MIN_HEARTBEAT_INTERVAL_S))
+            self._wake_heartbeats.clear()
 
 
 def _by_producer(reqs: dict[str, dict[str, Any]]
