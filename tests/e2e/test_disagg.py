@@ -11,7 +11,6 @@ import concurrent.futures
 
 import httpx
 import openai
-import pytest
 
 from tests.e2e.disagg_utils import ProxyProcess, kv_flags, kv_usage, started, wait_for_metric
 from tests.e2e.test_api_server import REQUEST_TIMEOUT_S, ServerProcess, _metric, _metrics

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from tests.e2e.disagg_utils import (
-    decode, kv_flags, kv_usage, prefill, started, wait_for_metric,
+    decode, kv_flags, prefill, started, wait_for_metric,
 )
 from tests.e2e.test_api_server import ServerProcess, _free_port, _metric, _metrics
 from widellm import LLM, SamplingParams

@@ -77,7 +77,8 @@ class Scheduler:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests or request.request_id in self.held_for_transfer:
+        rid = request.request_id
+        if rid in self.requests or rid in self.held_for_transfer or rid in self.aborted_loading:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -355,6 +356,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # what its in-flight steps sample is discarded
+        req.num_external_tokens = 0  # its blocks are gone: it looks the prefix cache up again
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
