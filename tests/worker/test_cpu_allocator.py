@@ -92,7 +92,8 @@ def test_large_blocks_come_from_the_heap_and_stay_there():
     # With it: no block is ever mapped on its own; the heap holds it and keeps it once freed.
     assert {c["mmapped"] for c in after} == {c["mmapped_after"] for c in after} == {
         before["mmapped_after"]}
-    assert after[0]["heap"] - before["heap_after"] >= BIG
+    # (The heap grows by the block less what it already had free: seen 20 KB short of it.)
+    assert after[0]["heap"] - before["heap_after"] + before["free_after"] >= BIG
     assert all(c["heap_after"] == c["heap"] and c["free_after"] >= BIG for c in after)
     # It settles: from some cycle on, every block is served from kept pages.
     settled = _settled_at([c["heap"] for c in after])
