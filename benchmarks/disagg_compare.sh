@@ -14,7 +14,8 @@ REPEATS=${REPEATS:-3}
 BASE_PORT=${BASE_PORT:-8300}
 DTYPE=${DTYPE:-auto}
 PY=.venv/bin/python
-COMMON="--dtype $DTYPE --kv-cache-memory 2GiB --max-model-len 4352 --disable-uvicorn-access-log"
+# Room for a 4,096-token prompt and its output where the model allows (else its limit).
+WANT_LEN=4352
 mkdir -p "$OUT"
 pids=()
 stop_all() { for p in "${pids[@]:-}"; do [ -n "$p" ] && kill -- -"$p" 2>/dev/null || true; done
@@ -28,14 +29,18 @@ start() {  # log, cpus, threads, args...
 }
 wait_up() { for _ in $(seq 600); do curl -sf "$1/health" > /dev/null && return; sleep 1; done
             echo "not up: $1" >&2; exit 1; }
-vocab() { $PY -c "import sys; from widellm.engine.arg_utils import EngineArgs as E; \
-print(E(model=sys.argv[1] or None).create_engine_config().model_config.hf_config.vocab_size)" "$1"; }
+model_info() {  # vocab size, context length to run at
+  $PY -c "import sys; from widellm.engine.arg_utils import EngineArgs as E; \
+c = E(model=sys.argv[1] or None).create_engine_config().model_config.hf_config; \
+print(c.vocab_size, min($WANT_LEN, c.max_position_embeddings))" "$1"; }
 P=$BASE_PORT; D=$((BASE_PORT + 1)); X=$((BASE_PORT + 2)); C=$((BASE_PORT + 3))
 producer='{"kv_connector": "TCPConnector", "kv_role": "kv_producer"}'
 consumer='{"kv_connector": "TCPConnector", "kv_role": "kv_consumer"}'
 for model in "${MODELS[@]}"; do
   name=${model:-smollm2}; name=${name#preset:}
-  V=$(vocab "$model")
+  read -r V MAXLEN < <(model_info "$model")
+  COMMON="--dtype $DTYPE --kv-cache-memory 2GiB --max-model-len $MAXLEN --disable-uvicorn-access-log"
+  TOP=4096; [ "$MAXLEN" -le $TOP ] && TOP=$((MAXLEN - 1))
   for r in $(seq "$REPEATS"); do
     order=("colocated" "disagg"); [ $((r % 2)) -eq 0 ] && order=("disagg" "colocated")
     for setup in "${order[@]}"; do
@@ -57,7 +62,7 @@ for model in "${MODELS[@]}"; do
           --output-json "$OUT/$name-$setup-$r.json" | tail -n 12 >&2
       if [ "$setup" = disagg ] && [ "$r" -eq 1 ]; then
         $PY benchmarks/kv_transfer_bench.py --prefill http://127.0.0.1:$P \
-            --decode http://127.0.0.1:$D --vocab-size "$V" \
+            --decode http://127.0.0.1:$D --vocab-size "$V" --lengths 256 512 1024 2048 $TOP \
             --output-json "$OUT/$name-transfer.json" >&2
       fi
       stop_all

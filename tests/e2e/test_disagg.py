@@ -11,6 +11,7 @@ import concurrent.futures
 
 import httpx
 import openai
+import pytest
 
 from tests.e2e.disagg_utils import ProxyProcess, kv_flags, kv_usage, started, wait_for_metric
 from tests.e2e.test_api_server import REQUEST_TIMEOUT_S, ServerProcess, _metric, _metrics
@@ -50,90 +51,111 @@ def _complete(url: str, prompt: list[int], stream: bool) -> str:
     return "".join(c.choices[0].text for c in chunks if c.choices)
 
 
-def _deployment(model: str, tmp_path, decode_args: list[str] = ()):
-    prefill = ServerProcess(model, tmp_path / "prefill.log", kv_flags("kv_producer"))
-    decode = ServerProcess(model, tmp_path / "decode.log",
-                           [*kv_flags("kv_consumer"), *decode_args])
-    return prefill, decode
-
-
-def _check_through_proxy(model: str, tmp_path, decode_args: list[str] = ()) -> None:
-    expected = _reference(model, PROMPTS)
-    prefill, decode = _deployment(model, tmp_path, decode_args)
+@pytest.fixture(scope="module")
+def llama(model_dir, tmp_path_factory):
+    """Prefill + decode instances of the tiny Llama behind a proxy."""
+    model, tmp = model_dir("LlamaForCausalLM"), tmp_path_factory.mktemp("llama")
+    prefill = ServerProcess(model, tmp / "prefill.log", kv_flags("kv_producer"))
+    decode = ServerProcess(model, tmp / "decode.log", kv_flags("kv_consumer"))
     with started(prefill, decode):
-        with started(ProxyProcess([prefill.url], [decode.url], tmp_path / "proxy.log")) as (
-                proxy,):
-            # Round 1 computes every prompt on the prefill side; round 2 (streamed) hits the
-            # prefix caches of both sides: the decode side loads only what it lacks.
-            assert [_complete(proxy.url, p, stream=False) for p in PROMPTS] == expected
-            assert [_complete(proxy.url, p, stream=True) for p in PROMPTS] == expected
-        for server in (prefill, decode):
-            values = _metrics(server)
-            assert _metric(values, "widellm:prefix_cache_hits_total") > 0, server.log_path
-        values = _metrics(decode)
-        # Every request loaded its prompt's KV; none was recomputed or failed.
-        assert _metric(values, "widellm:kv_transfers_total", direction="recv") == NUM_LOADS
-        assert _metric(values, "widellm:kv_transfer_recomputed_total") == 0
-        assert _metric(values, "widellm:kv_transfer_failures_total") == 0
-        assert _metric(values, "widellm:kv_transfer_bytes_total", direction="recv") > 0
-        if decode_args:  # both decode ranks got requests, and loaded their KV themselves
-            for rank in ("0", "1"):
-                assert _metric(values, "widellm:kv_transfers_total", direction="recv",
-                               rank=rank) > 0, rank
-        wait_for_metric(prefill, "widellm:kv_transfers_total", lambda v: v == NUM_LOADS,
-                        direction="send")
-        # Every held block went back once its decode pulled it or let it go.
-        wait_for_metric(prefill, "widellm:kv_transfer_blocks_held", lambda v: v == 0)
-        assert kv_usage(prefill) == 0 and kv_usage(decode) == 0
+        with started(ProxyProcess([prefill.url], [decode.url], tmp / "proxy.log")) as (proxy,):
+            yield model, prefill, decode, proxy
 
 
-def test_llama_through_proxy(model_dir, tmp_path):
-    _check_through_proxy(model_dir("LlamaForCausalLM"), tmp_path)
+@pytest.fixture(scope="module")
+def deepseek(model_dir, tmp_path_factory):
+    """One prefill instance of the tiny DeepSeek-V3 feeding two decode pools, one at DP1 and
+    one at DP2 + EP2, each behind its own proxy."""
+    model, tmp = model_dir("DeepseekV3ForCausalLM"), tmp_path_factory.mktemp("deepseek")
+    prefill = ServerProcess(model, tmp / "prefill.log", kv_flags("kv_producer"))
+    dp1 = ServerProcess(model, tmp / "decode-dp1.log", kv_flags("kv_consumer"))
+    dp2 = ServerProcess(model, tmp / "decode-dp2.log", [*kv_flags("kv_consumer"), *EP_FLAGS])
+    with started(prefill, dp1, dp2):
+        with started(ProxyProcess([prefill.url], [dp1.url], tmp / "proxy-dp1.log"),
+                     ProxyProcess([prefill.url], [dp2.url], tmp / "proxy-dp2.log")) as proxies:
+            yield model, prefill, {1: (dp1, proxies[0]), 2: (dp2, proxies[1])}
 
 
-def test_deepseek_mla_through_proxy(model_dir, tmp_path):
-    _check_through_proxy(model_dir("DeepseekV3ForCausalLM"), tmp_path)
+def _sent(server: ServerProcess) -> float:
+    return _metric(_metrics(server), "widellm:kv_transfers_total", direction="send")
 
 
-def test_deepseek_decode_pool_dp2_ep2(model_dir, tmp_path):
+def _check_through_proxy(model: str, prefill: ServerProcess, decode: ServerProcess,
+                         proxy: ServerProcess, ranks: int = 1) -> None:
+    expected = _reference(model, PROMPTS)
+    sent_before = _sent(prefill)
+    loads_before = _metric(_metrics(decode), "widellm:kv_transfers_total", direction="recv")
+    # Round 1 loads every prompt's KV (the prefill side computes it, or hits its own cache);
+    # round 2 (streamed) hits the decode side's prefix cache too: it loads only what it lacks.
+    assert [_complete(proxy.url, p, stream=False) for p in PROMPTS] == expected
+    assert [_complete(proxy.url, p, stream=True) for p in PROMPTS] == expected
+    for server in (prefill, decode):
+        values = _metrics(server)
+        assert _metric(values, "widellm:prefix_cache_hits_total") > 0, server.log_path
+    values = _metrics(decode)
+    # Every request loaded its prompt's KV; none was recomputed or failed.
+    loads = _metric(values, "widellm:kv_transfers_total", direction="recv")
+    assert loads - loads_before == NUM_LOADS
+    assert _metric(values, "widellm:kv_transfer_recomputed_total") == 0
+    assert _metric(values, "widellm:kv_transfer_failures_total") == 0
+    assert _metric(values, "widellm:kv_transfer_bytes_total", direction="recv") > 0
+    for rank in map(str, range(ranks)):  # every decode rank got requests and loaded them
+        assert _metric(values, "widellm:kv_transfers_total", direction="recv", rank=rank) > 0
+    wait_for_metric(prefill, "widellm:kv_transfers_total",
+                    lambda v: v == sent_before + NUM_LOADS, direction="send")
+    # Every held block went back once its decode pulled it or let it go.
+    wait_for_metric(prefill, "widellm:kv_transfer_blocks_held", lambda v: v == 0)
+    assert kv_usage(prefill) == 0 and kv_usage(decode) == 0
+
+
+def test_llama_through_proxy(llama):
+    _check_through_proxy(*llama)
+
+
+def test_deepseek_mla_through_proxy(deepseek):
+    model, prefill, pools = deepseek
+    _check_through_proxy(model, prefill, *pools[1])
+
+
+def test_deepseek_decode_pool_dp2_ep2(deepseek):
     """Prefill at DP1, decode at DP2 + EP2: each request's blocks go to the decode rank the
     decode instance's balancer picked."""
-    _check_through_proxy(model_dir("DeepseekV3ForCausalLM"), tmp_path, EP_FLAGS)
+    model, prefill, pools = deepseek
+    _check_through_proxy(model, prefill, *pools[2], ranks=2)
 
 
-def test_openai_client_32_concurrent_and_chat(model_dir, tmp_path):
-    model = model_dir("LlamaForCausalLM")
+def test_openai_client_32_concurrent_and_chat(llama):
+    model, prefill, decode, proxy = llama
     prompts = [PROMPTS[i % len(PROMPTS)] + [7 + i] for i in range(NUM_CONCURRENT)]
     expected = _reference(model, prompts)
-    prefill, decode = _deployment(model, tmp_path)
-    with started(prefill, decode):
-        with started(ProxyProcess([prefill.url], [decode.url], tmp_path / "proxy.log")) as (
-                proxy,):
-            client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused",
-                                   max_retries=0, timeout=REQUEST_TIMEOUT_S)
-            name = client.models.list().data[0].id
+    loads_before = _metric(_metrics(decode), "widellm:kv_transfers_total", direction="recv")
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=REQUEST_TIMEOUT_S)
+    name = client.models.list().data[0].id
 
-            def one(prompt: list[int]) -> str:
-                return client.completions.create(
-                    model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                    extra_body={"ignore_eos": True}).choices[0].text
+    def one(prompt: list[int]) -> str:
+        return client.completions.create(
+            model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True}).choices[0].text
 
-            with concurrent.futures.ThreadPoolExecutor(NUM_CONCURRENT) as pool:
-                assert list(pool.map(one, prompts)) == expected
-            # Chat through the proxy equals chat on the decode instance alone (which then
-            # computes the prompt itself), streamed and not.
-            messages = [{"role": "user", "content": "Say something about disaggregation."}]
-            direct = openai.OpenAI(base_url=decode.url + "/v1", api_key="unused",
-                                   max_retries=0, timeout=REQUEST_TIMEOUT_S)
-            kwargs = dict(model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                          extra_body={"ignore_eos": True})
-            want = direct.chat.completions.create(**kwargs).choices[0].message.content
-            got = client.chat.completions.create(**kwargs).choices[0].message.content
-            streamed = "".join(c.choices[0].delta.content or "" for c in
-                               client.chat.completions.create(**kwargs, stream=True)
-                               if c.choices)
-            assert got == want and streamed == want
-        assert _metric(_metrics(decode), "widellm:kv_transfers_total",
-                       direction="recv") == NUM_CONCURRENT + 2
-        wait_for_metric(prefill, "widellm:kv_transfer_blocks_held", lambda v: v == 0)
-        assert kv_usage(prefill) == 0 and kv_usage(decode) == 0
+    with concurrent.futures.ThreadPoolExecutor(NUM_CONCURRENT) as pool:
+        assert list(pool.map(one, prompts)) == expected
+    # Chat through the proxy equals chat on the decode instance alone (which then computes
+    # the prompt itself), streamed and not.
+    messages = [{"role": "user", "content": "Say something about disaggregation."}]
+    direct = openai.OpenAI(base_url=decode.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=REQUEST_TIMEOUT_S)
+    kwargs = dict(model=name, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"ignore_eos": True})
+    want = direct.chat.completions.create(**kwargs).choices[0].message.content
+    got = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(**kwargs, stream=True) if c.choices)
+    assert got == want and streamed == want
+    # Each of the 32 prompts loaded its KV (its last token is new to the decode side), and
+    # both chat requests did: the direct one computed it locally, so its blocks were cached,
+    # but a prompt whose len - 1 tokens are not whole blocks still loads the partial block.
+    loads = _metric(_metrics(decode), "widellm:kv_transfers_total", direction="recv")
+    assert loads - loads_before == NUM_CONCURRENT + 2
+    wait_for_metric(prefill, "widellm:kv_transfer_blocks_held", lambda v: v == 0)
+    assert kv_usage(prefill) == 0 and kv_usage(decode) == 0

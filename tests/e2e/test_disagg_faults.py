@@ -22,8 +22,8 @@ from widellm.kv_transfer.faults import FAULT_FILE_ENV
 
 ARCH = "LlamaForCausalLM"
 MAX_TOKENS = 8
-LEASE_S = 4.0
-TRANSFER_TIMEOUT_S = 3.0
+LEASE_S = 2.5
+TRANSFER_TIMEOUT_S = 2.0
 STALL_S = 2 * TRANSFER_TIMEOUT_S
 PROMPTS = [[5 + (13 * i + j) % 230 for j in range(40 + 9 * i)] for i in range(6)]
 # A decode request the killed decode instance holds on to: far longer than the test waits.

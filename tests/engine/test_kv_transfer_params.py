@@ -86,3 +86,12 @@ def test_core_requests_carry_the_params(processor):
                                                ["req-0", "req-1"])
     plain = processor(None).make_core_requests("q", [5], SamplingParams(max_tokens=2), ["q-0"])
     assert plain[0].kv_transfer_params is None
+
+
+def test_prompt_logprobs_with_a_remote_prefill_is_refused(processor):
+    """The decode side would never see the logits of the prompt positions it loads."""
+    with pytest.raises(ValueError, match=re.escape("prompt logprobs need the prompt computed "
+                                                   "here")):
+        processor(CONSUMER).kv_transfer_params(params(PREFILL, prompt_logprobs=1), 1)
+    # A prefill instance computes the prompt itself: it may return them.
+    assert processor(PRODUCER).kv_transfer_params(params(DECODE, prompt_logprobs=1), 1) is DECODE

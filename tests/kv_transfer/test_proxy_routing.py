@@ -95,3 +95,6 @@ def test_prefill_body_and_skips():
     assert not routing.skips_disaggregation({"prompt": ["one"]})
     assert routing.skips_disaggregation({"n": 2})
     assert routing.skips_disaggregation({"prompt": [[1], [2]]})
+    assert routing.skips_disaggregation({"prompt": "a", "echo": True, "logprobs": 2})
+    assert routing.skips_disaggregation({"messages": [], "prompt_logprobs": 0})
+    assert not routing.skips_disaggregation({"prompt": "a", "echo": True})

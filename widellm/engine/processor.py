@@ -157,6 +157,9 @@ class InputProcessor:
         if remote_prefill and not cfg.is_consumer:
             raise ValueError(f"kv_transfer_params: do_remote_prefill needs a kv_consumer or "
                              f"kv_both instance; this one is {cfg.kv_role}")
+        if remote_prefill and params.prompt_logprobs is not None:
+            raise ValueError("kv_transfer_params: prompt logprobs need the prompt computed "
+                             "here; send the request without do_remote_prefill")
         if n > 1:
             # Every sample would pull the same remote blocks, and one lease serves one pull.
             raise ValueError("kv_transfer_params: n > 1 is not supported with a remote "

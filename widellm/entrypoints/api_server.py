@@ -45,6 +45,7 @@ from widellm.entrypoints.serving_chat import OpenAIServingChat
 from widellm.entrypoints.serving_completion import OpenAIServingCompletion
 from widellm.entrypoints.serving_tokenization import OpenAIServingTokenization
 from widellm.gc_heap import freeze_startup_heap
+from widellm.listen import bind_or_exit
 
 logger = logging.getLogger(__name__)
 
@@ -240,12 +241,7 @@ def run_server(args: argparse.Namespace) -> None:
     and so that no ephemeral port the engine opens meanwhile (ZMQ, gloo) can take it.
     """
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.create_server((args.host, args.port), family=family)
-    except OSError as e:
-        logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
-        sys.exit(1)
+    sock = bind_or_exit(args.host, args.port)
     with sock:
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
         config = uvicorn.Config(

@@ -165,11 +165,7 @@ class FileConnectorWorker(KVConnectorWorker):
 
     def stats(self) -> KVTransferStats:
         with self._lock:
-            s = self._stats
-            return KVTransferStats(
-                s.bytes_received, s.bytes_sent, s.recv_seconds, s.send_seconds, s.num_loads,
-                s.num_sends, dict(s.failures), dict(s.send_failures), 0, len(self._held),
-                sum(self._held.values()))
+            return self._stats.snapshot(0, len(self._held), sum(self._held.values()))
 
     def wait_for_progress(self, timeout_s: float) -> None:
         time.sleep(timeout_s)

@@ -48,6 +48,7 @@ from widellm.kv_transfer.proxy_routing import (
     prompt_text,
     skips_disaggregation,
 )
+from widellm.listen import bind_or_exit
 
 logger = logging.getLogger(__name__)
 
@@ -372,12 +373,7 @@ def _exit_on_sigterm(signum: int, _frame: Any) -> None:
 def run_proxy(args: argparse.Namespace) -> None:
     """``widellm proxy``: bind the port (failing at once if it is taken), then serve."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.create_server((args.host, args.port), family=family)
-    except OSError as e:
-        logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
-        sys.exit(1)
+    sock = bind_or_exit(args.host, args.port)
     with sock:
         server = uvicorn.Server(uvicorn.Config(build_app_from_args(args),
                                                log_level=args.uvicorn_log_level))

@@ -90,7 +90,12 @@ def skips_disaggregation(body: dict[str, Any]) -> bool:
     """Requests for several sequences go straight to a decode instance, which prefills them
     itself: the n (or best_of) samples, or the prompts of a batch, would each pull the same
     or their own remote blocks, and one prefill's ``kv_transfer_params`` (one lease on one
-    prompt's blocks) cannot serve several sequences."""
+    prompt's blocks) cannot serve several sequences. So do requests for the prompt's own
+    logprobs (``echo`` with ``logprobs``, ``prompt_logprobs``): only the instance that
+    computes the prompt has its logits."""
+    if body.get("prompt_logprobs") is not None or (
+            body.get("echo") and body.get("logprobs") is not None):
+        return True
     for field in ("n", "best_of"):
         value = body.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and value > 1:

@@ -44,6 +44,14 @@ class KVTransferStats(msgspec.Struct, omit_defaults=True, gc=False):
     num_blocks_held: int = 0
     num_recomputed: int = 0
 
+    def snapshot(self, leases_expired: int, num_requests_held: int,
+                 num_blocks_held: int) -> "KVTransferStats":
+        """A copy (its dicts too) with the current hold numbers, for the metrics."""
+        return msgspec.structs.replace(
+            self, failures=dict(self.failures), send_failures=dict(self.send_failures),
+            leases_expired=leases_expired, num_requests_held=num_requests_held,
+            num_blocks_held=num_blocks_held)
+
 
 class TransferError(Exception):
     """A transfer that failed for ``cause`` (one of FAILURE_CAUSES)."""

@@ -118,11 +118,7 @@ class TCPConnectorWorker(KVConnectorWorker):
     def stats(self) -> KVTransferStats:
         held, blocks = self.holds.counts()
         with self._lock:
-            s = self._stats
-            return KVTransferStats(
-                s.bytes_received, s.bytes_sent, s.recv_seconds, s.send_seconds, s.num_loads,
-                s.num_sends, dict(s.failures), dict(s.send_failures),
-                self.holds.leases_expired, held, blocks)
+            return self._stats.snapshot(self.holds.leases_expired, held, blocks)
 
     def wait_for_progress(self, timeout_s: float) -> None:
         expiry = self.holds.next_expiry_in()
