@@ -35,7 +35,7 @@ def main(out: str) -> None:
             print(f"| {key} | {med['colocated']:.0f} | {med['disagg']:.0f} | {ratio:.3f} |")
         each = {s: [round(r["decoder_itl_p99_ms"]) for r in runs.get((model, s), [])]
                 for s in ("colocated", "disagg")}
-        print(f"(p99 ITL per run: colocated {each['colocated']}, P/D {each['disagg']}; "
+        print(f"\n(p99 ITL per run: colocated {each['colocated']}, P/D {each['disagg']}; "
               f"failed requests: {sum(r['failed'] for v in runs.values() for r in v)})")
         path = os.path.join(out, f"{model}-transfer.json")
         if os.path.exists(path):
