@@ -9,6 +9,7 @@ import msgspec
 import pytest
 import torch
 
+from tests.kv_transfer.test_tcp_connector import wait_for
 from widellm.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput, LoadSpec
 from widellm.kv_transfer.config import KVTransferConfig
 from widellm.kv_transfer.file_connector import FileConnectorWorker, kv_file
@@ -20,7 +21,6 @@ HEADS, HEAD_DIM = 2, 8
 BLOCK_BYTES = 2 * BLOCK_SIZE * HEADS * HEAD_DIM * 4  # one block of one fp32 MHA layer
 NUM_LAYERS = 2
 HELD = [3, 5, 6]
-POLL_TIMEOUT_S = 5.0
 
 
 def make_caches(seed: int, head_dim: int = HEAD_DIM) -> list[torch.Tensor]:
@@ -44,21 +44,6 @@ def make_worker(tmp_path):
     yield make
     for w in workers:
         w.shutdown()
-
-
-def wait_for(worker, done, timeout_s: float = POLL_TIMEOUT_S) -> KVConnectorOutput:
-    merged = KVConnectorOutput()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        out = worker.get_finished()
-        merged.finished_sending |= out.finished_sending
-        merged.finished_recving |= out.finished_recving
-        merged.failed_recving.update(out.failed_recving)
-        if done(merged):
-            return merged
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not done after {timeout_s} s: {merged}")
-        time.sleep(0.01)
 
 
 def ended(out: KVConnectorOutput) -> bool:
