@@ -189,7 +189,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         kv_outputs = self.poll_kv_transfers() or []
-        if not self.scheduler.has_unfinished_requests():
+        if not self.has_unfinished_requests():  # (steps in flight still get collected)
             if self.has_loads_in_flight():  # nothing to run until a load ends
                 self.kv_worker.wait_for_progress(KV_TRANSFER_WAIT_S)
             return kv_outputs
