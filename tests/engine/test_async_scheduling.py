@@ -48,3 +48,23 @@ def test_async_equals_sync(model_dir, arch):
     for (ids, reason), m, e in zip(results[True], MAX_TOKENS, IGNORE_EOS):
         if e:
             assert len(ids) == m and reason == "length"
+
+
+@pytest.mark.timeout(120)
+def test_stop_string_abort_while_a_step_is_in_flight(model_dir):
+    """A stop string found by the frontend aborts the request while async scheduling already
+    has its next step in flight: that step is still collected (the engine neither spins on it
+    nor hangs) and the output ends at the stop string."""
+    llm = LLM(model_dir("LlamaForCausalLM"), dtype="float32", num_kv_blocks=64,
+              max_model_len=256, async_scheduling=True)
+    prompt = {"prompt_token_ids": list(range(5, 25))}
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = full.text[len(full.text) // 2:][:3]
+    assert stop
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:full.text.index(stop)]
+    core = llm.llm_engine.engine_core
+    assert not core.batch_queue and not core.has_unfinished_requests()
