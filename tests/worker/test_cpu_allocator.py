@@ -103,3 +103,49 @@ def test_large_blocks_come_from_the_heap_and_stay_there():
         warnings.warn(f"the heap reused a freed {BIG >> 20} MiB block, yet refilling it took "
                       f"{faults} page faults (before the setting: {before['faults']}): this "
                       "kernel or sandbox drops freed heap pages")
+
+
+_THREAD_CHILD = textwrap.dedent(f"""
+    import ctypes, ctypes.util, json, re, tempfile, threading, torch
+    from widellm.worker.cpu_allocator import keep_freed_memory
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+    def arenas():
+        # glibc's malloc_info writes one <heap nr="i"> element per arena.
+        with tempfile.NamedTemporaryFile("r") as f:
+            fp = libc.fopen(f.name.encode(), b"w")
+            libc.malloc_info(0, fp)
+            libc.fclose(fp)
+            return len(re.findall(r'<heap nr="\\d+"', f.read()))
+
+    def allocate():
+        for _ in range(4):
+            block = torch.empty({BIG}, dtype=torch.uint8)
+            block.fill_(1)
+            small = [torch.ones(64) for _ in range(256)]  # a thread's first small allocations
+            del block, small
+
+    ok = keep_freed_memory()
+    before = arenas()
+    t = threading.Thread(target=allocate)
+    t.start()
+    t.join()
+    print(json.dumps(dict(ok=ok, before=before, after=arenas())))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.timeout(CHILD_TIMEOUT_S + 30)
+def test_threads_allocate_from_the_one_arena():
+    """A forward on another thread (async runner, DBO micro-batch, KV transfer) must get the
+    same reuse: without the setting glibc gives that thread an arena of its own."""
+    out = subprocess.run([sys.executable, "-c", _THREAD_CHILD], capture_output=True, text=True,
+                         timeout=CHILD_TIMEOUT_S, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["ok"]
+    assert r["before"] == r["after"] == 1, r

@@ -238,7 +238,7 @@ class _CoreLoop:
                 return
             if not core.has_unfinished_requests():
                 self._send_stats_if_dirty()
-                runner.warm_next_size()  # idle: build one more batch shape's kernels
+                core.warm_next_size()  # idle: build one more batch shape's kernels
                 continue
             self._step()
 
@@ -257,7 +257,7 @@ class _CoreLoop:
             in_wave = state.any_has_work
             if not in_wave:
                 self._send_stats_if_dirty()
-                core.model_runner.warm_next_size()  # local work only, no collective
+                core.warm_next_size()  # local work only, no collective
                 continue
             outputs = core.run_planned_step(step, state)
             if step.has_work:
@@ -289,7 +289,7 @@ class _CoreLoop:
                 self._stepped(outputs)
             elif not in_wave and not pipe.in_flight:
                 self._send_stats_if_dirty()
-                core.model_runner.warm_next_size()  # the runner thread is idle: no race
+                core.warm_next_size()  # the runner thread is idle: no race
 
     def _drain(self, timeout_ms: int) -> None:
         """Apply everything that arrived, waiting up to ``timeout_ms`` for the first frame."""

@@ -99,14 +99,21 @@ class EngineCore:
             )
         self.step_timer = (StepTimer(synchronize=True)
                            if config.observability_config.collect_step_breakdown else None)
-        self.model_runner = ModelRunner(config, ep, self.step_timer)
-        num_blocks = self._determine_num_blocks()
-        self.model_runner.initialize_kv_cache(num_blocks)
-        sc = config.scheduler_config
-        # The shapes of a full prefill step and of a full decode step.
-        # (A decode step has at most max_num_seqs rows and never more than the token budget.)
-        self.model_runner.warmup([sc.max_num_batched_tokens,
-                                  min(sc.max_num_seqs, sc.max_num_batched_tokens)])
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # Async scheduling: steps submitted to the runner thread, oldest first. With
+        # lockstep the loop keeps its own queue (of voted steps) on the same thread: that one
+        # thread then issues every collective of this rank, in step order.
+        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self.runner_thread = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="widellm-runner")
+            if self.async_scheduling else None
+        )
+        # The thread that runs the forwards also loads the model and warms it up: OpenMP
+        # keeps a pool of worker threads per thread that ever ran a parallel region, and once
+        # two pools exist their workers stop spinning between regions and sleep (measured:
+        # decode steps 15-30% slower, ~3 context switches per op), so the loop thread must
+        # never run one.
+        self.model_runner, num_blocks = self._on_runner_thread(self._build_runner, ep)
         # Disaggregated prefill/decode: the connector's scheduler half names the worker
         # half's endpoint in the parameters it hands out.
         kvt = config.kv_transfer_config
@@ -116,24 +123,41 @@ class EngineCore:
             make_scheduler(kvt, config.cache_config.block_size, self.kv_worker)
             if self.kv_worker is not None else None,
             kvt.kv_load_failure_policy if kvt is not None else "fail")
-        self.async_scheduling = config.scheduler_config.async_scheduling
         # Steps taken and the wall time of the latest, reported with the scheduler stats.
         self.num_steps = 0
         self.num_dbo_steps = 0
         self.last_step_duration_s = 0.0
-        # Async scheduling: steps submitted to the runner thread, oldest first. With
-        # lockstep the loop keeps its own queue (of voted steps) on the same thread: that one
-        # thread then issues every collective of this rank, in step order.
-        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
-        self.runner_thread = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="widellm-runner")
-            if self.async_scheduling else None
-        )
         # Lockstep: whether steps split into micro-batches, and the previous forward's time
         # in microseconds, which the next vote reports (written and read by the one thread
         # that votes and runs forwards).
         self.dbo_policy = DboPolicy(pc)
         self._last_forward_us = 0
+
+    def _on_runner_thread(self, fn, *args):
+        """``fn(*args)`` on the thread that runs the forwards (this one when synchronous)."""
+        if self.runner_thread is None:
+            return fn(*args)
+        try:
+            return self.runner_thread.submit(fn, *args).result()
+        except BaseException:
+            self.runner_thread.shutdown(wait=False)
+            raise
+
+    def _build_runner(self, ep: ExpertParallelContext | None) -> tuple[ModelRunner, int]:
+        """The model runner with its KV cache allocated and its kernels warmed up."""
+        runner = ModelRunner(self.config, ep, self.step_timer)
+        num_blocks = self._determine_num_blocks(runner)
+        runner.initialize_kv_cache(num_blocks)
+        sc = self.config.scheduler_config
+        # The shapes of a full prefill step and of a full decode step.
+        # (A decode step has at most max_num_seqs rows and never more than the token budget.)
+        runner.warmup([sc.max_num_batched_tokens, min(sc.max_num_seqs, sc.max_num_batched_tokens)])
+        return runner, num_blocks
+
+    def warm_next_size(self) -> None:
+        """Build one more prompt-step size's kernels (idle time), on the forward thread."""
+        if self.model_runner.sizes_to_warm:
+            self._on_runner_thread(self.model_runner.warm_next_size)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(
@@ -312,9 +336,9 @@ class EngineCore:
             self.runner_thread.shutdown(wait=True, cancel_futures=True)
         self.model_runner.shutdown()
 
-    def _determine_num_blocks(self) -> int:
+    def _determine_num_blocks(self, runner: ModelRunner) -> int:
         cc = self.config.cache_config
-        spec = self.model_runner.kv_spec
+        spec = runner.kv_spec
         plan = plan_num_blocks(self.config, spec.bytes_per_block)
         num_blocks = plan.num_blocks
         if num_blocks < 1:
