@@ -91,7 +91,7 @@ def test_consumer_request_parks_while_an_ordinary_one_runs():
     assert sched.has_pending_kv_transfers()
     meta = sched.kv_connector.build_connector_meta()
     assert meta.reqs_to_load == {"x": LoadSpec(remote_params(PROMPT), [0, 1, 2],
-                                               REMOTE_BLOCKS, 0)}
+                                               REMOTE_BLOCKS, 0, 39)}
     assert meta.reqs_to_track == {"x": remote_params(PROMPT)}
     assert meta.reqs_to_hold == {} and meta.reqs_to_release == {}
     # Nothing more to do for it until the load ends.
@@ -152,7 +152,7 @@ def test_a_local_hit_loads_only_the_tail():
     assert (x.num_computed_tokens, x.num_external_tokens, x.num_cached_tokens) == (16, 23, 16)
     assert sched.kv_cache_manager.get_block_ids("x") == [0, 2, 3]
     meta = sched.kv_connector.build_connector_meta()
-    assert meta.reqs_to_load == {"x": LoadSpec(remote_params(PROMPT), [2, 3], [101, 102], 1)}
+    assert meta.reqs_to_load == {"x": LoadSpec(remote_params(PROMPT), [2, 3], [101, 102], 1, 39)}
     sched.update_from_kv_connector(KVConnectorOutput(finished_recving={"x"}))
     assert x.num_computed_tokens == 39
     out = sched.schedule()

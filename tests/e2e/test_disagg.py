@@ -26,6 +26,9 @@ BLOCK_SIZE = 16
 # Round 2 loads a prompt again unless its first len - 1 tokens are whole blocks, which the
 # decode side then has cached from round 1 (it tells the prefill side to let go instead).
 NUM_LOADS = len(PROMPTS) + sum((len(p) - 1) % BLOCK_SIZE != 0 for p in PROMPTS)
+# The streamed flow's prompts: new to both instances after the sequential tests ran.
+STREAMED_PROMPTS = [[t + 1 for t in p] for p in PROMPTS]
+STREAMED = ["--kv-transfer-mode", "streamed"]
 
 
 def _reference(path: str, prompts: list[list[int]]) -> list[str]:
@@ -52,14 +55,21 @@ def _complete(url: str, prompt: list[int], stream: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def llama(model_dir, tmp_path_factory):
-    """Prefill + decode instances of the tiny Llama behind a proxy."""
+def llama_deployment(model_dir, tmp_path_factory):
+    """Prefill + decode instances of the tiny Llama behind a proxy of each flow."""
     model, tmp = model_dir("LlamaForCausalLM"), tmp_path_factory.mktemp("llama")
     prefill = ServerProcess(model, tmp / "prefill.log", kv_flags("kv_producer"))
     decode = ServerProcess(model, tmp / "decode.log", kv_flags("kv_consumer"))
     with started(prefill, decode):
-        with started(ProxyProcess([prefill.url], [decode.url], tmp / "proxy.log")) as (proxy,):
-            yield model, prefill, decode, proxy
+        with started(ProxyProcess([prefill.url], [decode.url], tmp / "proxy.log"),
+                     ProxyProcess([prefill.url], [decode.url], tmp / "proxy-streamed.log",
+                                  STREAMED)) as (proxy, streamed):
+            yield model, prefill, decode, proxy, streamed
+
+
+@pytest.fixture(scope="module")
+def llama(llama_deployment):
+    return llama_deployment[:4]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +82,11 @@ def deepseek(model_dir, tmp_path_factory):
     dp2 = ServerProcess(model, tmp / "decode-dp2.log", [*kv_flags("kv_consumer"), *EP_FLAGS])
     with started(prefill, dp1, dp2):
         with started(ProxyProcess([prefill.url], [dp1.url], tmp / "proxy-dp1.log"),
-                     ProxyProcess([prefill.url], [dp2.url], tmp / "proxy-dp2.log")) as proxies:
-            yield model, prefill, {1: (dp1, proxies[0]), 2: (dp2, proxies[1])}
+                     ProxyProcess([prefill.url], [dp2.url], tmp / "proxy-dp2.log"),
+                     ProxyProcess([prefill.url], [dp2.url], tmp / "proxy-dp2-streamed.log",
+                                  STREAMED)) as proxies:
+            yield model, prefill, {1: (dp1, proxies[0]), 2: (dp2, proxies[1]),
+                                   "streamed": (dp2, proxies[2])}
 
 
 def _sent(server: ServerProcess) -> float:
@@ -81,14 +94,15 @@ def _sent(server: ServerProcess) -> float:
 
 
 def _check_through_proxy(model: str, prefill: ServerProcess, decode: ServerProcess,
-                         proxy: ServerProcess, ranks: int = 1) -> None:
-    expected = _reference(model, PROMPTS)
+                         proxy: ServerProcess, ranks: int = 1,
+                         prompts: list[list[int]] = PROMPTS) -> None:
+    expected = _reference(model, prompts)
     sent_before = _sent(prefill)
     loads_before = _metric(_metrics(decode), "widellm:kv_transfers_total", direction="recv")
     # Round 1 loads every prompt's KV (the prefill side computes it, or hits its own cache);
     # round 2 (streamed) hits the decode side's prefix cache too: it loads only what it lacks.
-    assert [_complete(proxy.url, p, stream=False) for p in PROMPTS] == expected
-    assert [_complete(proxy.url, p, stream=True) for p in PROMPTS] == expected
+    assert [_complete(proxy.url, p, stream=False) for p in prompts] == expected
+    assert [_complete(proxy.url, p, stream=True) for p in prompts] == expected
     for server in (prefill, decode):
         values = _metrics(server)
         assert _metric(values, "widellm:prefix_cache_hits_total") > 0, server.log_path
@@ -122,6 +136,24 @@ def test_deepseek_decode_pool_dp2_ep2(deepseek):
     decode instance's balancer picked."""
     model, prefill, pools = deepseek
     _check_through_proxy(model, prefill, *pools[2], ranks=2)
+
+
+def _streamed_transfers(proxy: ServerProcess) -> float:
+    return _metric(_metrics(proxy), "widellm:proxy_streamed_transfers_total")
+
+
+def test_llama_through_streamed_proxy(llama_deployment):
+    """Prefill and decode sent at once: the decode instance pulls each layer while the
+    prefill instance still computes the prompt; same tokens, same loads, nothing held."""
+    model, prefill, decode, _, streamed = llama_deployment
+    _check_through_proxy(model, prefill, decode, streamed, prompts=STREAMED_PROMPTS)
+    assert _streamed_transfers(streamed) == 2 * len(STREAMED_PROMPTS)
+
+
+def test_deepseek_mla_dp2_ep2_through_streamed_proxy(deepseek):
+    model, prefill, pools = deepseek
+    _check_through_proxy(model, prefill, *pools["streamed"], ranks=2, prompts=STREAMED_PROMPTS)
+    assert _streamed_transfers(pools["streamed"][1]) == 2 * len(STREAMED_PROMPTS)
 
 
 def test_openai_client_32_concurrent_and_chat(llama):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import pytest
 
 from tests.e2e.disagg_utils import (
@@ -117,6 +118,50 @@ def test_bad_transfer_each_policy(deployment, expected, fault, cause):
         assert after == before + 1
     assert _metric(_metrics(recompute_s), "widellm:kv_transfer_recomputed_total") >= 1
     _all_free(prefill_s, recompute_s, fail_s)
+
+
+def _streamed(prefill_s: ServerProcess, decode_s: ServerProcess, prompt: list[int],
+              transfer: str, send_prefill: bool = True):
+    """A streamed transfer as the proxy makes it: the decode request first (it pulls at
+    once), then the prefill with the same transfer id; returns the decode's response."""
+    info = httpx.get(prefill_s.url + "/kv_transfer/endpoints", timeout=10).json()
+    rank = info["ranks"][0]
+    params = {"do_remote_prefill": True, "transfer_id": transfer, "remote_request_id": transfer,
+              "remote_engine_id": rank["remote_engine_id"], "remote_host": rank["remote_host"],
+              "remote_port": rank["remote_port"], "block_size": info["block_size"]}
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(
+        r=decode(decode_s, prompt, params, MAX_TOKENS)))
+    waiter.start()
+    if send_prefill:
+        r = httpx.post(prefill_s.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer}})
+        assert r.status_code == 200, r.text
+    waiter.join(60)
+    assert not waiter.is_alive()
+    return result["r"]
+
+
+@pytest.mark.parametrize("fault,cause", [("corrupt", "checksum"), ("short", "short_payload"),
+                                         ("", "timeout")])
+def test_streamed_transfer_faults_each_policy(deployment, expected, fault, cause):
+    """A streamed transfer broken off mid-layer, or one whose prefill never comes (the
+    decode's pull times out): the policy holds and nothing stays allocated."""
+    (prefill_s, recompute_s, fail_s), faults = deployment
+    for i, (server, policy) in enumerate(((recompute_s, "recompute"), (fail_s, "fail"))):
+        before = _metric(_metrics(server), "widellm:kv_transfer_failures_total", cause=cause)
+        faults.set(fault)
+        try:
+            response = _streamed(prefill_s, server, PROMPTS[i], f"{cause}-{policy}",
+                                 send_prefill=bool(fault))
+        finally:
+            faults.set("")
+        _check_outcome(response, policy, expected[i], cause)
+        after = _metric(_metrics(server), "widellm:kv_transfer_failures_total", cause=cause)
+        assert after == before + 1
+    _all_free(prefill_s, recompute_s, fail_s)
+    wait_for_metric(prefill_s, "widellm:kv_transfer_blocks_held", lambda v: v == 0)
 
 
 def test_lease_expiry_frees_the_producers_blocks(deployment):

@@ -136,3 +136,54 @@ def test_two_sends_end_the_hold_at_the_last(table):
     assert table.collect_ended() == set()
     table.end_send("r")
     assert table.collect_ended() == {"r"}
+
+
+# ---- running holds (streamed prompts) ------------------------------------------------------
+
+def test_a_running_hold_outlives_its_pull_and_ends_when_the_prompt_finishes(table, clock):
+    table.add_running("r", [3])
+    table.add_running("r", [5])  # the next chunk's block
+    assert table.block_ids("r") == [3, 5]
+    assert table.begin_send("r", None) is None
+    table.end_send("r")
+    clock.now += 10 * LEASE_S  # no lease runs while the prompt runs
+    assert table.collect_ended() == set()
+    assert table.counts() == (1, 2)
+    table.add("r", [3, 5, 6])  # finished; its pull already completed: ends at once
+    assert table.collect_ended() == {"r"}
+    assert table.counts() == (0, 0)
+
+
+def test_a_running_hold_becomes_a_leased_hold(table, clock):
+    table.add_running("r", [3])
+    table.add("r", [3, 4])
+    assert table.block_ids("r") == [3, 4]
+    clock.now += LEASE_S
+    assert table.collect_ended() == {"r"}
+    assert table.leases_expired == 1
+
+
+def test_a_released_running_hold_ends_when_the_prompt_finishes(table):
+    table.add_running("r", [3])
+    table.release(["r"])
+    assert table.collect_ended() == set()
+    table.add("r", [3])
+    assert table.collect_ended() == {"r"}
+
+
+def test_cancel_ends_a_running_hold_after_its_send(table):
+    table.add_running("r", [3])
+    assert table.begin_send("r", None) is None
+    table.cancel("r")
+    assert table.collect_ended() == set()  # the send still reads
+    table.end_send("r")
+    assert table.collect_ended() == {"r"}
+    assert not table.is_live("r")
+
+
+def test_a_hold_made_anew_before_the_old_one_is_collected_survives(table):
+    table.add_running("r", [3])
+    table.cancel("r")  # preempted ...
+    table.add_running("r", [7])  # ... and scheduled again
+    assert table.collect_ended() == {"r"}
+    assert table.block_ids("r") == [7]

@@ -62,8 +62,11 @@ def test_parse_refuses(value, message):
 def test_registry():
     assert sorted(registry.KV_CONNECTORS) == ["FileConnector", "TCPConnector"]
     assert registry.KV_CONNECTORS["TCPConnector"] == (PullConnectorScheduler,
-                                                      TCPConnectorWorker)
+                                                      TCPConnectorWorker, True)
     assert registry.KV_CONNECTORS["FileConnector"].worker is FileConnectorWorker
+    # Only the TCP side channel serves a prompt that still runs.
+    assert registry.supports_streaming(KVTransferConfig("TCPConnector"))
+    assert not registry.supports_streaming(KVTransferConfig("FileConnector"))
     known = "known: ['FileConnector', 'TCPConnector']"
     bad = KVTransferConfig("NixlConnector")
     with pytest.raises(ValueError, match=re.escape(f"unknown kv_connector 'NixlConnector'; "

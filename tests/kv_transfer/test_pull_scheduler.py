@@ -97,7 +97,7 @@ def test_update_state_after_alloc_with_a_local_hit():
     req = make_request("x", PROMPT, params)
     conn.update_state_after_alloc(req, [7, 8, 9], 23)
     meta = conn.build_connector_meta()
-    assert meta.reqs_to_load == {"x": LoadSpec(params, [8, 9], [101, 102], 1)}
+    assert meta.reqs_to_load == {"x": LoadSpec(params, [8, 9], [101, 102], 1, 39)}
     assert "error" not in meta.reqs_to_load["x"].params
     assert conn.build_connector_meta().reqs_to_load == {}
 
@@ -187,3 +187,66 @@ def test_a_consumer_request_that_ends_before_loading_releases_its_producer():
     assert req.kv_transfer_params is None
     meta = conn.build_connector_meta()
     assert meta == KVConnectorMetadata(reqs_to_release={"x": params})
+
+
+# ---- streamed transfers ---------------------------------------------------------------------
+
+def _scheduled(new=(), cached=(), preempted=()):
+    from widellm.core.scheduler_output import (
+        CachedRequestData, NewRequestData, SchedulerOutput,
+    )
+    new_reqs = [NewRequestData(rid, [], [], SamplingParams(), frozenset(), blocks, 0)
+                for rid, blocks, _ in new]
+    cached_data = CachedRequestData([rid for rid, _, _ in cached],
+                                    [blocks for _, blocks, _ in cached], [0 for _ in cached])
+    num = {rid: n for rid, _, n in (*new, *cached)}
+    return SchedulerOutput(new_reqs, cached_data, num, sum(num.values()), set(), set(preempted))
+
+
+def test_a_streamed_prompt_is_held_and_its_tokens_reported_every_step():
+    conn = make_connector("kv_producer")
+    req = make_request("p", PROMPT, {"do_remote_decode": True, "transfer_id": "t"})
+    other = make_request("q", PROMPT, {"do_remote_decode": True})  # sequential: not streamed
+    req.num_computed_tokens, other.num_computed_tokens = 32, 32  # after the schedule
+    so = _scheduled(new=[("p", [4, 5], 32), ("q", [6, 7], 32)])
+    conn.update_state_after_schedule(so, {"p": req, "q": other})
+    assert so.kv_stream_tokens == {"p": 32}
+    meta = conn.build_connector_meta()
+    assert list(meta.reqs_to_stream) == ["p"]
+    spec = meta.reqs_to_stream["p"]
+    assert (spec.transfer_id, spec.new_block_ids, spec.num_prompt_tokens) == ("t", [4, 5], 40)
+    assert spec.prompt_sha256 == prompt_sha256(PROMPT)
+    req.num_computed_tokens = 40
+    so = _scheduled(cached=[("p", [9], 8)])
+    conn.update_state_after_schedule(so, {"p": req})
+    assert so.kv_stream_tokens == {"p": 40}
+    spec = conn.build_connector_meta().reqs_to_stream["p"]
+    assert (spec.new_block_ids, spec.prompt_sha256) == ([9], "")  # registered already
+
+
+def test_a_preempted_or_aborted_streamed_prompt_is_unstreamed():
+    conn = make_connector("kv_producer")
+    reqs = {rid: make_request(rid, PROMPT, {"do_remote_decode": True, "transfer_id": rid})
+            for rid in ("a", "b")}
+    conn.update_state_after_schedule(_scheduled(new=[("a", [1], 16), ("b", [2], 16)]), reqs)
+    conn.build_connector_meta()
+    conn.update_state_after_schedule(_scheduled(preempted=["a"]), reqs)
+    assert conn.build_connector_meta().reqs_to_unstream == {"a"}
+    reqs["b"].status = RequestStatus.FINISHED_ABORTED
+    assert conn.request_finished(reqs["b"], [2]) == (False, None)
+    assert conn.build_connector_meta().reqs_to_unstream == {"b"}
+
+
+def test_a_streamed_consumer_request_sends_its_own_prompt_hash():
+    conn = make_connector("kv_consumer")
+    params = {"do_remote_prefill": True, **ENDPOINT, "transfer_id": "t",
+              "remote_request_id": "t", "block_size": BLOCK_SIZE}
+    req = make_request("x", PROMPT, params)
+    conn.update_state_after_alloc(req, [7, 8, 9], 39)
+    spec = conn.build_connector_meta().reqs_to_load["x"]
+    assert (spec.remote_block_ids, spec.first_block, spec.num_tokens) == ([], 0, 39)
+    assert spec.params["prompt_sha256"] == prompt_sha256(PROMPT)
+    assert "error" not in spec.params
+    req = make_request("y", PROMPT, {**params, "block_size": 32})
+    conn.update_state_after_alloc(req, [7, 8, 9], 39)
+    assert conn.build_connector_meta().reqs_to_load["y"].params["error"] == "layout"

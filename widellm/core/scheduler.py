@@ -204,6 +204,8 @@ class Scheduler:
             reaches_end = req.num_computed_tokens == req.num_tokens + req.num_output_placeholders
             if self.config.async_scheduling and reaches_end:
                 req.num_output_placeholders += 1
+        if self.kv_connector is not None:
+            self.kv_connector.update_state_after_schedule(out, self.requests)
         return out
 
     def _start_remote_load(self, req: Request, hit_blocks: list, num_hit: int) -> bool | None:

@@ -43,6 +43,9 @@ class SchedulerOutput:
     # Requests whose runner state must be dropped before this step runs.
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Streamed prompts (disaggregated prefill): req_id -> its prompt tokens in the KV cache
+    # once this step ran, so the connector can send each layer as soon as it is written.
+    kv_stream_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

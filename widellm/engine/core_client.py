@@ -137,6 +137,8 @@ class EngineCoreClient:
         self.last_breakdown: dict[int, dict[str, float]] = {}
         self.peak_rss_bytes: dict[int, int] = {}
         self.eplb_stats: dict[int, EplbStats] = {}
+        # Each rank's KV connector endpoint (disaggregated prefill/decode), from its READY.
+        self.kv_endpoints: dict[int, dict] = {}
         try:
             self.num_kv_blocks = self._handshake(pc.data_parallel_address, pc.engine_ready_timeout_s)
         except BaseException:
@@ -177,6 +179,8 @@ class EngineCoreClient:
                 msg = self._startup_message(self._sync_out.recv())
                 if isinstance(msg, ReadyMessage):
                     ready[msg.dp_rank] = msg.num_kv_blocks
+                    if msg.kv_endpoint is not None:
+                        self.kv_endpoints[msg.dp_rank] = msg.kv_endpoint
                 elif msg.started:
                     in_phase[msg.dp_rank] = (msg.phase, time.monotonic())
                 elif msg.dp_rank in in_phase:

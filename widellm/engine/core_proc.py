@@ -120,6 +120,8 @@ class ReadyMessage(msgspec.Struct, array_like=True, tag="ready"):
     dp_rank: int
     num_kv_blocks: int
     pid: int
+    # Where a KV consumer reaches this rank's connector (its ``transfer_params``), if any.
+    kv_endpoint: dict | None = None
 
 
 class StartupPhase(msgspec.Struct, array_like=True, tag="phase"):
@@ -180,7 +182,8 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int,
         core = EngineCore(config, groups)
         freeze_startup_heap(f"engine core {dp_rank}")
         out.send(encoder.encode(ReadyMessage(
-            dp_rank, core.scheduler.kv_cache_manager.block_pool.num_blocks, os.getpid())))
+            dp_rank, core.scheduler.kv_cache_manager.block_pool.num_blocks, os.getpid(),
+            core.kv_worker.transfer_params() or None if core.kv_worker is not None else None)))
         _CoreLoop(core, inp, out, encoder, dp_rank, groups, parent_pid).run()
     except Exception as e:  # report, then die: the frontend fails in-flight requests
         logger.error("engine core failed:\n%s", traceback.format_exc())

@@ -16,12 +16,15 @@ from widellm.config import ModelConfig
 from widellm.engine.engine_core import EngineCoreRequest
 from widellm.engine.tokenizer import get_tokenizer, max_chars_per_token
 from widellm.kv_transfer.config import KVTransferConfig
+from widellm.kv_transfer.registry import supports_streaming
 from widellm.model.loader import load_eos_token_ids
 from widellm.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} as in vLLM, the
 # dict optionally with "cache_salt".
 PromptType = str | Sequence[int] | dict[str, Any]
+# A proxy's transfer ids are uuids (32 hex digits); anything far longer is not one.
+MAX_TRANSFER_ID_CHARS = 128
 
 
 class InputProcessor:
@@ -157,6 +160,14 @@ class InputProcessor:
         if remote_prefill and not cfg.is_consumer:
             raise ValueError(f"kv_transfer_params: do_remote_prefill needs a kv_consumer or "
                              f"kv_both instance; this one is {cfg.kv_role}")
+        if "transfer_id" in kv:
+            tid = kv["transfer_id"]
+            if not isinstance(tid, str) or not 0 < len(tid) <= MAX_TRANSFER_ID_CHARS:
+                raise ValueError(f"kv_transfer_params: transfer_id must be a string of 1 to "
+                                 f"{MAX_TRANSFER_ID_CHARS} characters")
+            if not supports_streaming(cfg):
+                raise ValueError(f"kv_transfer_params: transfer_id (a streamed transfer) "
+                                 f"needs TCPConnector; this instance runs {cfg.kv_connector}")
         if remote_prefill and params.prompt_logprobs is not None:
             raise ValueError("kv_transfer_params: prompt logprobs need the prompt computed "
                              "here; send the request without do_remote_prefill")

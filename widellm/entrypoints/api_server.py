@@ -45,6 +45,7 @@ from widellm.entrypoints.serving_chat import OpenAIServingChat
 from widellm.entrypoints.serving_completion import OpenAIServingCompletion
 from widellm.entrypoints.serving_tokenization import OpenAIServingTokenization
 from widellm.gc_heap import freeze_startup_heap
+from widellm.kv_transfer.registry import supports_streaming
 from widellm.listen import bind_or_exit
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,19 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     @api.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chat.create_chat_completion(request, raw_request)
+
+    @api.get("/kv_transfer/endpoints")
+    async def kv_transfer_endpoints() -> Response:
+        """Where each rank's KV connector is reached: what a proxy puts into the decode
+        request of a streamed transfer (see ``widellm/kv_transfer/streams.py``)."""
+        kvt = engine.config.kv_transfer_config
+        if kvt is None:
+            return APIError("this instance runs no KV connector",
+                            HTTPStatus.NOT_FOUND).to_response()
+        ranks = [{"dp_rank": rank, **ep} for rank, ep in sorted(engine.client.kv_endpoints.items())]
+        return JSONResponse({"kv_connector": kvt.kv_connector, "kv_role": kvt.kv_role,
+                             "block_size": engine.config.cache_config.block_size,
+                             "streams": supports_streaming(kvt), "ranks": ranks})
 
     @api.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:

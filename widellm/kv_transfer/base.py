@@ -26,6 +26,7 @@ the pull-based connectors here move whole requests between steps and leave them 
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from widellm.core.request import Request
+    from widellm.core.scheduler_output import SchedulerOutput
     from widellm.kv_transfer.config import KVTransferConfig
     from widellm.kv_transfer.stats import KVTransferStats
 
@@ -40,12 +42,26 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class LoadSpec:
     """Load ``remote_block_ids[i]`` of the producer into ``local_block_ids[i]``; the first of
-    them is block ``first_block`` of the request (the ones before were local prefix hits)."""
+    them is block ``first_block`` of the request (the ones before were local prefix hits).
+    A streamed pull has no remote ids (the producer resolves the blocks) and waits until the
+    producer wrote the prompt's first ``num_tokens`` tokens."""
 
     params: dict[str, Any]
     local_block_ids: list[int]
     remote_block_ids: list[int]
     first_block: int = 0
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StreamSpec:
+    """A producer's prompt that a consumer may pull while it runs (it has a ``transfer_id``):
+    hold ``new_block_ids`` (the blocks it got this step) from now on."""
+
+    transfer_id: str
+    new_block_ids: list[int]
+    prompt_sha256: str
+    num_prompt_tokens: int
 
 
 @dataclass(slots=True)
@@ -59,17 +75,22 @@ class KVConnectorMetadata:
             worker half keeps the producer's lease alive with heartbeats meanwhile).
         reqs_to_release: consumer: request id -> params of producers whose blocks are no
             longer wanted (aborted, or all of the prompt was in the local prefix cache).
+        reqs_to_stream: producer: request id -> a streamed prompt scheduled this step.
+        reqs_to_unstream: producer: streamed prompts aborted or preempted before they
+            finished (their blocks are freed: sends of them must stop).
     """
 
     reqs_to_load: dict[str, LoadSpec] = field(default_factory=dict)
     reqs_to_hold: dict[str, list[int]] = field(default_factory=dict)
     reqs_to_track: dict[str, dict[str, Any]] = field(default_factory=dict)
     reqs_to_release: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reqs_to_stream: dict[str, StreamSpec] = field(default_factory=dict)
+    reqs_to_unstream: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
         return not (self.reqs_to_load or self.reqs_to_hold or self.reqs_to_track
-                    or self.reqs_to_release)
+                    or self.reqs_to_release or self.reqs_to_stream or self.reqs_to_unstream)
 
 
 @dataclass(slots=True)
@@ -112,6 +133,12 @@ class KVConnectorScheduler(abc.ABC):
     def track_remote_request(self, request: "Request") -> None:
         """A request with remote KV arrived; keep its producer's lease alive until admitted."""
 
+    def update_state_after_schedule(self, scheduler_output: "SchedulerOutput",
+                                    requests: Mapping[str, "Request"]) -> None:
+        """A step was scheduled (``requests``: the scheduler's live ones, by id); connectors
+        that stream a prompt while it runs note its blocks and fill the output's
+        ``kv_stream_tokens``."""
+
     @abc.abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata:
         """Everything decided since the previous call (then forgotten here)."""
@@ -147,9 +174,18 @@ class KVConnectorWorker(abc.ABC):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until ``layer_name``'s part of this step's loads is in the cache."""
 
+    def begin_forward(self, stream_tokens: Mapping[str, int], num_passes: int) -> None:
+        """A forward starts (on the forward thread) that brings the streamed prompts in
+        ``stream_tokens`` to that many tokens; the attention layers run ``num_passes`` times
+        (two micro-batches under dual-batch overlap)."""
+
     def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor",
                       attn_metadata: Any) -> None:
-        """Start sending ``layer_name``'s KV written by this step."""
+        """Start sending ``layer_name``'s KV written by this step (``layer_name``: the
+        layer's index among the registered caches)."""
+
+    def end_forward(self) -> None:
+        """The forward begun by :meth:`begin_forward` ended."""
 
     def wait_for_save(self) -> None:
         """Block until this step's sends no longer need the step's buffers."""

@@ -3,6 +3,12 @@
 The worker half owns them, not the scheduler: a hold ends (and its blocks may be freed) only
 when no send of it is in progress, after a completed or broken-off pull, a release from the
 consumer, or a lease that ran out. A consumer's heartbeat extends the lease.
+
+A streamed prompt (see ``streams.py``) is held from its first step on, while it still runs:
+such a *running* hold has no lease and does not end when its pull ends; it becomes an
+ordinary hold when the prompt finishes (``add``), and ends at once then if its pull already
+completed or its consumer let go. ``cancel`` ends a running hold whose request was aborted
+or preempted (the scheduler frees those blocks itself).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ class _Hold:
     expires_at: float
     num_sending: int = 0
     ended: bool = False
+    running: bool = False  # its prompt still runs: no lease yet
+    done: bool = False  # a pull completed, or the consumer released it
 
 
 class HoldTable:
@@ -34,16 +42,54 @@ class HoldTable:
         self.progress = threading.Event()  # set when a hold ends
 
     def add(self, request_id: str, block_ids: list[int]) -> None:
+        """Hold a finished prompt's blocks under a lease (a running hold of it finishes)."""
         with self._lock:
-            self._holds[request_id] = _Hold(list(block_ids), self.clock() + self.lease_s)
+            hold = self._holds.get(request_id)
+            if hold is None or hold.ended:
+                self._holds[request_id] = _Hold(list(block_ids), self.clock() + self.lease_s)
+                return
+            hold.block_ids = list(block_ids)
+            hold.running = False
+            hold.expires_at = self.clock() + self.lease_s
+            if hold.done:
+                self._end(request_id, hold)
 
-    def begin_send(self, request_id: str, block_ids: list[int]) -> str | None:
-        """Claim the hold for one send of ``block_ids``; None, or why not (a cause)."""
+    def add_running(self, request_id: str, new_block_ids: list[int]) -> None:
+        """Hold a streamed prompt's blocks while it runs; later calls append new blocks."""
+        with self._lock:
+            hold = self._holds.get(request_id)
+            if hold is None or hold.ended:
+                self._holds[request_id] = _Hold(list(new_block_ids), float("inf"), running=True)
+            else:
+                hold.block_ids.extend(new_block_ids)
+
+    def cancel(self, request_id: str) -> None:
+        """End a running hold: its request was aborted or preempted, its blocks are gone."""
+        with self._lock:
+            if (hold := self._holds.get(request_id)) is not None and hold.running:
+                hold.running = False
+                hold.done = True
+                self._end(request_id, hold)
+
+    def block_ids(self, request_id: str) -> list[int] | None:
+        """The blocks held for ``request_id`` now (None: no live hold)."""
+        with self._lock:
+            hold = self._holds.get(request_id)
+            return None if hold is None or hold.ended else list(hold.block_ids)
+
+    def is_live(self, request_id: str) -> bool:
+        with self._lock:
+            hold = self._holds.get(request_id)
+            return hold is not None and not hold.ended
+
+    def begin_send(self, request_id: str, block_ids: list[int] | None) -> str | None:
+        """Claim the hold for one send of ``block_ids`` (None: a streamed send, whose blocks
+        are read as they are written); None, or why not (a cause)."""
         with self._lock:
             hold = self._holds.get(request_id)
             if hold is None or hold.ended:
                 return "unknown_request"
-            if not set(block_ids) <= set(hold.block_ids):
+            if block_ids is not None and not set(block_ids) <= set(hold.block_ids):
                 return "layout"
             hold.num_sending += 1
             return None
@@ -53,6 +99,7 @@ class HoldTable:
         with self._lock:
             hold = self._holds[request_id]
             hold.num_sending -= 1
+            hold.done = True
             self._end(request_id, hold)
 
     def heartbeat(self, request_ids: list[str]) -> list[str]:
@@ -72,6 +119,7 @@ class HoldTable:
         with self._lock:
             for rid in request_ids:
                 if (hold := self._holds.get(rid)) is not None:
+                    hold.done = True
                     self._end(rid, hold)
 
     def collect_ended(self) -> set[str]:
@@ -79,12 +127,15 @@ class HoldTable:
         now = self.clock()
         with self._lock:
             for rid, hold in self._holds.items():
-                if not hold.ended and hold.num_sending == 0 and hold.expires_at <= now:
+                if (not hold.ended and not hold.running and hold.num_sending == 0
+                        and hold.expires_at <= now):
                     self.leases_expired += 1
                     self._end(rid, hold)
             ended, self._ended = self._ended, set()
             for rid in ended:
-                del self._holds[rid]
+                # (A preempted streamed prompt may be held anew already: keep that hold.)
+                if self._holds[rid].ended:
+                    del self._holds[rid]
             self.progress.clear()
         return ended
 
@@ -96,12 +147,14 @@ class HoldTable:
 
     def next_expiry_in(self) -> float | None:
         with self._lock:
-            times = [h.expires_at for h in self._holds.values() if not h.ended]
+            times = [h.expires_at for h in self._holds.values()
+                     if not h.ended and not h.running]
         return None if not times else max(0.0, min(times) - self.clock())
 
     def _end(self, request_id: str, hold: _Hold) -> None:
-        # Not while a send still reads the blocks: the last end_send ends it.
-        if hold.num_sending == 0 and not hold.ended:
+        # Not while a send still reads the blocks (the last end_send ends it), nor while the
+        # prompt still runs (``add`` ends it when it finishes).
+        if hold.num_sending == 0 and not hold.ended and not hold.running:
             hold.ended = True
             self._ended.add(request_id)
             self.progress.set()

@@ -1,15 +1,15 @@
 """``widellm proxy``: one OpenAI-compatible front over disaggregated prefill and decode
 instances, speaking vLLM's ``kv_transfer_params`` protocol.
 
-Per request: a prefill instance computes the prompt's KV cache (``max_tokens`` 1,
-``do_remote_decode``) and answers with ``kv_transfer_params`` saying where those blocks are;
-a decode instance is then sent the client's request with those params, pulls the blocks
-instead of recomputing them, and generates; its answer (streamed or not) goes back to the
-client as it arrives. Prefill is retried on other instances (it has no side effect the
-client sees); decode only when the connection failed before the request was sent.
+Per request (the default, sequential flow; for the streamed one see ``proxy_streamed.py``):
+a prefill instance computes the prompt's KV cache (``max_tokens`` 1, ``do_remote_decode``)
+and answers with ``kv_transfer_params`` saying where those blocks are; a decode instance is
+then sent the client's request with those params, pulls the blocks instead of recomputing
+them, and generates; its answer (streamed or not) goes back to the client as it arrives.
+Prefill is retried on other instances (it has no side effect the client sees); decode only
+when the connection failed before the request was sent.
 
-The proxy holds no module-global state: each ``build_app`` owns its pools, its httpx client
-(opened and closed by the app's lifespan) and its Prometheus registry.
+No module-global state: each ``build_app`` owns its pools, httpx client and registry.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from widellm.kv_transfer.proxy_routing import (
     prompt_text,
     skips_disaggregation,
 )
+from widellm.kv_transfer.proxy_streamed import StreamedFlow
 from widellm.listen import bind_or_exit
 
 logger = logging.getLogger(__name__)
@@ -104,11 +105,15 @@ class Proxy:
     """The request flow over a prefill pool and a decode pool."""
 
     def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str],
-                 max_load_imbalance: int = DEFAULT_MAX_LOAD_IMBALANCE) -> None:
+                 max_load_imbalance: int = DEFAULT_MAX_LOAD_IMBALANCE,
+                 kv_transfer_mode: str = "sequential") -> None:
         self.pools = {PREFILL: InstancePool(prefill_urls, max_load_imbalance),
                       DECODE: InstancePool(decode_urls, max_load_imbalance)}
         self.metrics = ProxyMetrics()
         self.client: httpx.AsyncClient | None = None  # opened by the app's lifespan
+        # The streamed flow (prefill and decode at once; see proxy_streamed.py), if chosen.
+        self.streamed = (StreamedFlow(self.pools[PREFILL], self.metrics)
+                         if kv_transfer_mode == "streamed" else None)
 
     async def handle(self, request: Request, chat: bool) -> Response:
         try:
@@ -125,7 +130,10 @@ class Proxy:
             headers["authorization"] = request.headers["authorization"]
         keys = block_keys(prompt_text(body, chat))
         decode_body = body
-        if not skips_disaggregation(body):
+        if not skips_disaggregation(body) and self.streamed is not None and (
+                params := await self.streamed.start(path, body, chat, keys, headers)):
+            decode_body = {**body, "kv_transfer_params": params}
+        elif not skips_disaggregation(body):
             params, failed = await self._prefill(path, prefill_body(body, chat), keys, headers)
             if failed is not None:
                 return failed
@@ -295,9 +303,10 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
               api_key: str | None = None,
               max_load_imbalance: int = DEFAULT_MAX_LOAD_IMBALANCE,
               request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-              connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> FastAPI:
+              connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+              kv_transfer_mode: str = "sequential") -> FastAPI:
     """The proxy app. A timeout of 0 means none."""
-    proxy = Proxy(prefill_urls, decode_urls, max_load_imbalance)
+    proxy = Proxy(prefill_urls, decode_urls, max_load_imbalance, kv_transfer_mode)
     timeout = httpx.Timeout(request_timeout_s or None, connect=connect_timeout_s or None)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS)
 
@@ -305,9 +314,13 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
     async def lifespan(_: FastAPI):
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             proxy.client = client
+            if proxy.streamed is not None:
+                proxy.streamed.client = client
             try:
                 yield
             finally:
+                if proxy.streamed is not None:
+                    await proxy.streamed.close()
                 proxy.client = None
 
     app = FastAPI(title="widellm proxy", lifespan=lifespan)
@@ -349,7 +362,8 @@ def build_app_from_args(args: argparse.Namespace) -> FastAPI:
     return build_app(args.prefill, args.decode, api_key=args.api_key,
                      max_load_imbalance=args.max_load_imbalance,
                      request_timeout_s=args.request_timeout_s,
-                     connect_timeout_s=args.connect_timeout_s)
+                     connect_timeout_s=args.connect_timeout_s,
+                     kv_transfer_mode=args.kv_transfer_mode)
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket, args: argparse.Namespace) -> None:

@@ -215,6 +215,9 @@ class ProxyMetrics:
         self.prefill_fallbacks = Counter(
             "widellm:proxy_prefill_fallbacks", "Times a request moved on to the next prefill "
             "instance after one failed", registry=r)
+        self.streamed = Counter(
+            "widellm:proxy_streamed_transfers", "Requests sent to a prefill and a decode "
+            "instance at once (--kv-transfer-mode streamed)", registry=r)
         self.duration = Histogram(
             "widellm:proxy_request_duration_seconds", "Backend call duration (a stream: to "
             "its last byte)", ["pool"], buckets=DURATION_BUCKETS, registry=r)
@@ -279,6 +282,13 @@ def add_proxy_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout-s", type=_non_negative(float),
                         default=DEFAULT_CONNECT_TIMEOUT_S,
                         help="seconds to connect to a backend; 0: no limit (default "
+                             "%(default)s)")
+    parser.add_argument("--kv-transfer-mode", choices=["sequential", "streamed"],
+                        default="sequential",
+                        help="sequential: the decode request is sent once the prefill "
+                             "answered, and pulls the finished prompt's KV; streamed: both "
+                             "at once, the prefill instance sending each layer's KV as soon "
+                             "as it is computed (needs TCPConnector on both sides; default "
                              "%(default)s)")
     parser.add_argument("--uvicorn-log-level", type=str, default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])

@@ -17,11 +17,12 @@ from widellm.kv_transfer.tcp import TCPConnectorWorker
 class ConnectorHalves(NamedTuple):
     scheduler: type[PullConnectorScheduler]
     worker: type[KVConnectorWorker]
+    streams: bool  # serves pulls of a prompt that still runs (a ``transfer_id``)
 
 
 KV_CONNECTORS: Mapping[str, ConnectorHalves] = MappingProxyType({
-    "TCPConnector": ConnectorHalves(PullConnectorScheduler, TCPConnectorWorker),
-    "FileConnector": ConnectorHalves(PullConnectorScheduler, FileConnectorWorker),
+    "TCPConnector": ConnectorHalves(PullConnectorScheduler, TCPConnectorWorker, True),
+    "FileConnector": ConnectorHalves(PullConnectorScheduler, FileConnectorWorker, False),
 })
 
 
@@ -35,6 +36,10 @@ def _halves(config: KVTransferConfig) -> ConnectorHalves:
 
 def check_connector_name(config: KVTransferConfig) -> None:
     _halves(config)
+
+
+def supports_streaming(config: KVTransferConfig) -> bool:
+    return _halves(config).streams
 
 
 def make_worker(config: KVTransferConfig, block_size: int, dp_rank: int) -> KVConnectorWorker:

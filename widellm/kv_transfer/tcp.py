@@ -7,7 +7,9 @@ prompt's blocks wait for their consumer; default 30), ``transfer_timeout_s`` (de
 ``heartbeat_interval_s`` (default a third of the producer's lease).
 
 The consumer pulls: one connection per request, whole blocks layer by layer, each layer's
-crc32 checked before it is written into the cache. Loads run on a thread pool, so the engine
+crc32 checked before it is written into the cache. A streamed pull (a ``transfer_id``, see
+``streams.py``) starts while the prompt still runs on the producer, which sends each layer
+as soon as its forward wrote it. Loads run on a thread pool, so the engine
 keeps stepping other requests meanwhile. The side channel that serves them is this process's
 own, so a restarted producer has a new engine id and refuses pulls made for the old one.
 """
@@ -30,7 +32,9 @@ from widellm.kv_transfer.base import (
 )
 from widellm.kv_transfer.config import KVTransferConfig
 from widellm.kv_transfer.holds import HoldTable
+from widellm.kv_transfer.pull_scheduler import transfer_id
 from widellm.kv_transfer.stats import KVTransferStats, TransferError
+from widellm.kv_transfer.streams import StreamTable
 from widellm.kv_transfer.tcp_server import SideChannelServer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +52,7 @@ class TCPConnectorWorker(KVConnectorWorker):
         # A new identity every start: pulls meant for a previous process are refused.
         self.engine_id = f"{uuid.uuid4().hex}-dp{dp_rank}"
         self.holds = HoldTable(config.lease_s)
+        self.streams = StreamTable()
         self.caches: list[torch.Tensor] = []
         self.block_dims: list[int] = []
         self._lock = threading.Lock()
@@ -66,7 +71,8 @@ class TCPConnectorWorker(KVConnectorWorker):
             self.server = SideChannelServer(
                 str(config.extra("side_channel_host", "127.0.0.1")),
                 base + dp_rank if base else 0, self.engine_id, self.holds,
-                lambda: (self.caches, self.block_dims), self._sent, config.transfer_timeout_s)
+                lambda: (self.caches, self.block_dims), self._sent, config.transfer_timeout_s,
+                self.streams)
         self._loads = None
         self._heartbeats = None
         if config.is_consumer:
@@ -78,6 +84,7 @@ class TCPConnectorWorker(KVConnectorWorker):
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dims: list[int]) -> None:
         self.caches, self.block_dims = list(kv_caches), list(block_dims)
+        self.streams.num_layers = len(self.caches)
 
     def transfer_params(self) -> dict[str, Any]:
         if self.server is None:
@@ -88,6 +95,16 @@ class TCPConnectorWorker(KVConnectorWorker):
     # ---- the engine loop's calls -------------------------------------------------------
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        for rid in metadata.reqs_to_unstream:  # before the blocks can be written again
+            self.streams.cancel(rid)
+            self.holds.cancel(rid)
+        for rid, spec in metadata.reqs_to_stream.items():
+            self.holds.add_running(rid, spec.new_block_ids)
+            if spec.prompt_sha256:  # its first step
+                self.streams.register(rid, spec.transfer_id, spec.prompt_sha256,
+                                      spec.num_prompt_tokens)
+                if self.streams.take_early_release(spec.transfer_id):
+                    self.holds.release([rid])  # ends once the prompt finished
         for rid, block_ids in metadata.reqs_to_hold.items():
             self.holds.add(rid, block_ids)
         with self._lock:
@@ -102,8 +119,19 @@ class TCPConnectorWorker(KVConnectorWorker):
         for rid, spec in metadata.reqs_to_load.items():
             self._loads.submit(self._load, rid, spec)
 
+    def begin_forward(self, stream_tokens: dict[str, int], num_passes: int) -> None:
+        self.streams.begin_forward(stream_tokens, num_passes)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        self.streams.save_layer(int(layer_name))
+
+    def end_forward(self) -> None:
+        self.streams.end_forward()
+
     def get_finished(self) -> KVConnectorOutput:
         sent = self.holds.collect_ended()
+        # (A preempted streamed prompt held anew keeps its new stream.)
+        self.streams.forget({rid for rid in sent if not self.holds.is_live(rid)})
         with self._lock:
             out = KVConnectorOutput(sent, self._recved, self._failed)
             self._recved, self._failed = set(), {}
@@ -151,9 +179,14 @@ class TCPConnectorWorker(KVConnectorWorker):
             self._tracked.pop(rid, None)
         start = time.perf_counter()
         try:
-            num_bytes = tcp_client.pull(spec.params, spec.remote_block_ids,
-                                        spec.local_block_ids, self.caches, self.block_dims,
-                                        self.config.transfer_timeout_s)
+            if transfer_id(spec.params) is not None:
+                num_bytes = tcp_client.pull_stream(
+                    spec.params, spec.first_block, spec.num_tokens, spec.local_block_ids,
+                    self.caches, self.block_dims, self.config.transfer_timeout_s)
+            else:
+                num_bytes = tcp_client.pull(spec.params, spec.remote_block_ids,
+                                            spec.local_block_ids, self.caches, self.block_dims,
+                                            self.config.transfer_timeout_s)
         except TransferError as e:
             logger.warning("KV load of %s failed: %s", rid, e)
             self._fail(rid, e.cause, spec.local_block_ids)
@@ -189,9 +222,13 @@ class TCPConnectorWorker(KVConnectorWorker):
 
     def _release(self, reqs: dict[str, dict[str, Any]]) -> None:
         for (host, port, engine), pairs in _by_producer(reqs).items():
+            streamed = [r for local, r in pairs if transfer_id(reqs[local]) is not None]
             try:
-                tcp_client.release(host, port, engine, [r for _, r in pairs],
-                                   HEARTBEAT_TIMEOUT_S)
+                for ids, is_streamed in (([r for _, r in pairs if r not in streamed], False),
+                                         (streamed, True)):
+                    if ids:
+                        tcp_client.release(host, port, engine, ids, HEARTBEAT_TIMEOUT_S,
+                                           is_streamed)
             except TransferError as e:  # the lease frees them in the end
                 logger.info("KV release at %s:%s failed: %s", host, port, e)
 
@@ -215,6 +252,8 @@ class TCPConnectorWorker(KVConnectorWorker):
                     unknown, cause = list(remote_to_local), e.cause  # restarted: give up
                 for remote in unknown:
                     local = remote_to_local.get(remote)
+                    if local is not None and transfer_id(tracked[local]) is not None:
+                        continue  # streamed: not scheduled there yet; the pull waits for it
                     with self._lock:
                         still = local is not None and local in self._tracked
                     if still:

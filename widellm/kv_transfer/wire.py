@@ -20,6 +20,9 @@ from widellm.kv_transfer.stats import TransferError
 
 _MSG_LEN = struct.Struct("!I")
 _FRAME = struct.Struct("!QI")
+# A frame length no layer has: instead of a layer, a message with the cause follows (a
+# streamed send that broke off after its header went out).
+ERROR_FRAME_LEN = 2**64 - 1
 # A header is a few hundred bytes (block id lists grow with the prompt: 8 bytes a block).
 MAX_MESSAGE_BYTES = 16 << 20
 
@@ -36,6 +39,11 @@ def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
 def send_frame(sock: socket.socket, payload: memoryview, checksum: int) -> None:
     sock.sendall(_FRAME.pack(len(payload), checksum))
     sock.sendall(payload)
+
+
+def send_error_frame(sock: socket.socket, cause: str, error: str) -> None:
+    sock.sendall(_FRAME.pack(ERROR_FRAME_LEN, 0))
+    send_message(sock, {"ok": False, "cause": cause, "error": error})
 
 
 def send_partial_frame(sock: socket.socket, payload: memoryview, checksum: int) -> None:
@@ -91,6 +99,11 @@ class Receiver:
         head = bytearray(_FRAME.size)
         self.recv_into(memoryview(head))
         length, checksum = _FRAME.unpack(head)
+        if length == ERROR_FRAME_LEN:
+            reply = self.message()
+            cause = reply.get("cause")
+            raise TransferError(cause if isinstance(cause, str) else "connection",
+                                f"the producer broke off: {reply.get('error', '')}")
         if length != len(out):
             raise TransferError("layout", f"a {length}-byte layer where {len(out)} were due")
         self.recv_into(out)

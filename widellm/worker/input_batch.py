@@ -83,12 +83,15 @@ class ModelInput:
         attn_metadata: the attention metadata, padded to ``num_rows``.
         input_ids: ``[num_rows]`` int64, padding rows token 0.
         positions: ``[num_rows]`` int64, padding rows position 0.
+        kv_stream_tokens: streamed prompts (disaggregated prefill) -> their prompt tokens in
+            the KV cache once this forward ran (see ``SchedulerOutput.kv_stream_tokens``).
     """
 
     batch: BatchInputs
     attn_metadata: Any
     input_ids: torch.Tensor
     positions: torch.Tensor
+    kv_stream_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:

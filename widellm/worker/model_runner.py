@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,10 +123,20 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(
                 self.kv_caches, [block_dim_of(m, self.block_size) for m in self.kv_spec.layers])
+            if self.config.kv_transfer_config.is_producer:
+                # Each attention layer reports when it ran (its KV is then in the cache), so
+                # a streamed prompt's layers go out while the later layers compute.
+                for i, layer in enumerate(self.kv_spec.layers):
+                    layer.register_forward_hook(self._kv_layer_saved_hook(str(i)))
         if not on_cuda():
             # Only now: weights and KV cache keep their own (huge-page friendly) mappings;
             # what follows is per-step activations, which should recycle heap memory.
             keep_freed_memory()
+
+    def _kv_layer_saved_hook(self, name: str):
+        def hook(module: torch.nn.Module, _args: Any, _output: Any) -> None:
+            self.kv_connector.save_kv_layer(name, module.kv_cache, None)
+        return hook
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -155,7 +166,7 @@ class ModelRunner:
             md = pad_attention_metadata(md, num_padded)
             padding = torch.zeros(num_padded - len(input_ids), dtype=torch.int64)
             input_ids, positions = torch.cat([input_ids, padding]), torch.cat([positions, padding])
-        return ModelInput(batch, md, input_ids, positions)
+        return ModelInput(batch, md, input_ids, positions, so.kv_stream_tokens)
 
     @torch.inference_mode()
     def run_model_input(self, inp: ModelInput | None, dp_metadata: DPMetadata | None = None,
@@ -167,14 +178,22 @@ class ModelRunner:
         timer = self.step_timer
         self._before_forward()
         dp_metadata = self._dp_metadata(inp.num_rows, dp_metadata)
-        if split:
-            ubatches = split_model_input(inp, self.block_size, self.decode_in_place, dp_metadata)
-            with maybe_phase(timer, "forward"):
-                hidden = self._dual_batch().run(ubatches, timer)
-        else:
-            with maybe_phase(timer, "forward"), set_forward_context(inp.attn_metadata, timer,
-                                                                    dp_metadata):
-                hidden = self.model(inp.input_ids, inp.positions)
+        streams = self.kv_connector is not None and bool(inp.kv_stream_tokens)
+        if streams:
+            self.kv_connector.begin_forward(inp.kv_stream_tokens, 2 if split else 1)
+        try:
+            if split:
+                ubatches = split_model_input(inp, self.block_size, self.decode_in_place,
+                                             dp_metadata)
+                with maybe_phase(timer, "forward"):
+                    hidden = self._dual_batch().run(ubatches, timer)
+            else:
+                with maybe_phase(timer, "forward"), set_forward_context(
+                        inp.attn_metadata, timer, dp_metadata):
+                    hidden = self.model(inp.input_ids, inp.positions)
+        finally:
+            if streams:
+                self.kv_connector.end_forward()
         with maybe_phase(timer, "sample"):
             return self._sample(inp.batch, hidden)
 
