@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
+from widellm.compute_threads import init_compute_thread
 from widellm.config import EngineConfig
 from widellm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from widellm.core.request import Request
@@ -105,7 +106,8 @@ class EngineCore:
         # thread then issues every collective of this rank, in step order.
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.runner_thread = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="widellm-runner")
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="widellm-runner",
+                               initializer=init_compute_thread)
             if self.async_scheduling else None
         )
         # The thread that runs the forwards also loads the model and warms it up: OpenMP

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from widellm.compute_threads import init_compute_thread
 from widellm.forward_context import set_forward_context
 from widellm.step_timer import StepTimer, never_away
 from widellm.ubatching import UBatchBaton
@@ -30,7 +31,8 @@ class DualBatchRunner:
     def __init__(self, model: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         self.model = model
         self._threads = ThreadPoolExecutor(max_workers=NUM_UBATCHES,
-                                           thread_name_prefix="widellm-ubatch")
+                                           thread_name_prefix="widellm-ubatch",
+                                           initializer=init_compute_thread)
 
     def run(self, ubatches: Sequence[MicroBatch], timer: StepTimer | None) -> torch.Tensor:
         """``[sum of rows, H]``: the micro-batches' hidden states, concatenated in row order."""
