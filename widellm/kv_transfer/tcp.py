@@ -44,6 +44,9 @@ MAX_CONCURRENT_LOADS = 8
 # Shortest gap between two heartbeat rounds (a very short lease must not flood the producer).
 MIN_HEARTBEAT_INTERVAL_S = 0.2
 HEARTBEAT_TIMEOUT_S = 5.0
+# Requests failed by a heartbeat, remembered so that a load queued for one is skipped; far
+# more than loads can be queued at once (MAX_CONCURRENT_LOADS run, the rest wait).
+MAX_HEARTBEAT_FAILURES_KEPT = 1024
 
 
 class TCPConnectorWorker(KVConnectorWorker):
@@ -260,6 +263,10 @@ class TCPConnectorWorker(KVConnectorWorker):
                         self._fail(local, cause, [])
                         with self._lock:
                             self._heartbeat_failed[local] = cause
+                            # Only a load queued before the failure pops its entry; the
+                            # rest (most) are never looked at again: keep the newest.
+                            while len(self._heartbeat_failed) > MAX_HEARTBEAT_FAILURES_KEPT:
+                                del self._heartbeat_failed[next(iter(self._heartbeat_failed))]
             self._wake_heartbeats.wait(max(interval, MIN_HEARTBEAT_INTERVAL_S))
             self._wake_heartbeats.clear()
 

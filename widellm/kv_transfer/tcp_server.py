@@ -111,29 +111,9 @@ class SideChannelServer:
             send_message(conn, {"ok": False, "cause": refused,
                                 "error": f"request {request_id!r} cannot be pulled"})
             return
-        start, cause, num_bytes = time.perf_counter(), None, 0
-        try:
-            caches, dims = self.caches()
-            send_message(conn, {"ok": True, "layout": describe(caches, dims)})
-            fault, arg = faults.current_fault()
-            if fault == "stall":
-                time.sleep(arg)
-            ids = torch.tensor(block_ids, dtype=torch.int64)
-            conn.settimeout(self.send_timeout_s)
-            for i, (cache, dim) in enumerate(zip(caches, dims)):
-                sent = _send_layer(conn, gather_blocks(cache, dim, ids),
-                                   fault if i == len(caches) // 2 else "")
-                if sent is None:
-                    return
-                num_bytes += sent
-            Receiver(conn, time.monotonic() + self.send_timeout_s).recv_into(
-                memoryview(bytearray(1)))  # the consumer's acknowledgement
-        except (OSError, TransferError) as e:
-            cause = e.cause if isinstance(e, TransferError) else "connection"
-            logger.warning("KV send of %s broke off (%s): %s", request_id, cause, e)
-        finally:
-            self.holds.end_send(request_id)
-            self.on_sent(num_bytes, time.perf_counter() - start, cause)
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        self._send(conn, request_id, request_id,
+                   lambda layer, cache, dim: gather_blocks(cache, dim, ids))
 
     def _pull_stream(self, conn: socket.socket, msg: dict) -> None:
         tid, first, num = str(msg["transfer_id"]), int(msg["first_block"]), int(msg["num_blocks"])
@@ -147,12 +127,26 @@ class SideChannelServer:
         if stream.prompt_sha256 != msg.get("prompt_sha256"):
             problem = "prompt_mismatch", "the transfer was made for another prompt"
         elif num_tokens > stream.num_prompt_tokens or first < 0 or num < 0:
-            problem = "layout", f"{num_tokens} tokens asked of a {stream.num_prompt_tokens}-token prompt"
+            problem = "layout", (f"{num_tokens} tokens asked of a "
+                                 f"{stream.num_prompt_tokens}-token prompt")
         elif (refused := self.holds.begin_send(stream.request_id, None)) is not None:
             problem = refused, f"transfer {tid!r} cannot be pulled"
         if problem is not None:
             send_message(conn, {"ok": False, "cause": problem[0], "error": problem[1]})
             return
+
+        def layer_bytes(layer: int, cache: torch.Tensor, dim: int) -> torch.Tensor:
+            self.streams.wait_layer(stream, layer, num_tokens,
+                                    time.monotonic() + self.send_timeout_s)
+            return self._gather_streamed(stream, cache, dim, first, num)
+
+        self._send(conn, stream.request_id, tid, layer_bytes)
+
+    def _send(self, conn: socket.socket, request_id: str, name: str,
+              layer_bytes: Callable[[int, torch.Tensor, int], torch.Tensor]) -> None:
+        """The answer to a pull whose hold is claimed: the header, one frame per layer
+        (``layer_bytes(layer, cache, block_dim)``), the consumer's acknowledgement; the
+        claim ends whatever happens."""
         start, cause, num_bytes = time.perf_counter(), None, 0
         try:
             caches, dims = self.caches()
@@ -162,23 +156,21 @@ class SideChannelServer:
                 time.sleep(arg)
             conn.settimeout(self.send_timeout_s)
             for layer, (cache, dim) in enumerate(zip(caches, dims)):
-                self.streams.wait_layer(stream, layer, num_tokens,
-                                        time.monotonic() + self.send_timeout_s)
-                sent = _send_layer(conn, self._gather_streamed(stream, cache, dim, first, num),
+                sent = _send_layer(conn, layer_bytes(layer, cache, dim),
                                    fault if layer == len(caches) // 2 else "")
                 if sent is None:
                     return
                 num_bytes += sent
             Receiver(conn, time.monotonic() + self.send_timeout_s).recv_into(
-                memoryview(bytearray(1)))
+                memoryview(bytearray(1)))  # the consumer's acknowledgement
         except (OSError, TransferError) as e:
             cause = e.cause if isinstance(e, TransferError) else "connection"
-            logger.warning("KV streamed send of %s broke off (%s): %s", tid, cause, e)
+            logger.warning("KV send of %s broke off (%s): %s", name, cause, e)
             if isinstance(e, TransferError):  # tell the consumer why, if it still listens
                 with contextlib.suppress(OSError):
                     send_error_frame(conn, cause, str(e))
         finally:
-            self.holds.end_send(stream.request_id)
+            self.holds.end_send(request_id)
             self.on_sent(num_bytes, time.perf_counter() - start, cause)
 
     def _gather_streamed(self, stream: Stream, cache: torch.Tensor, dim: int, first: int,
