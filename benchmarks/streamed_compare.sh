@@ -28,9 +28,13 @@ producer='{"kv_connector": "TCPConnector", "kv_role": "kv_producer"}'
 consumer='{"kv_connector": "TCPConnector", "kv_role": "kv_consumer"}'
 for model in "${MODELS[@]}"; do
   name=${model:-smollm2}; name=${name#preset:}
-  V=$($PY -c "import sys; from widellm.engine.arg_utils import EngineArgs as E; \
-print(E(model=sys.argv[1] or None).create_engine_config().model_config.hf_config.vocab_size)" "$model")
-  COMMON="--dtype float32 --kv-cache-memory 2GiB --max-model-len 4352 --disable-uvicorn-access-log"
+  # Vocabulary size, and the context to run at: room for a 4,096-token prompt where the
+  # model allows, else its own limit (the longest prompt then one token shorter).
+  read -r V MAXLEN < <($PY -c "import sys; from widellm.engine.arg_utils import EngineArgs as E; \
+c = E(model=sys.argv[1] or None).create_engine_config().model_config.hf_config; \
+print(c.vocab_size, min(4352, c.max_position_embeddings))" "$model")
+  TOP=4096; [ "$MAXLEN" -le $TOP ] && TOP=$((MAXLEN - 1))
+  COMMON="--dtype float32 --kv-cache-memory 2GiB --max-model-len $MAXLEN --disable-uvicorn-access-log"
   start "$OUT/$name-prefill.log" 0 serve $model --port $P $COMMON --kv-transfer-config "$producer"
   start "$OUT/$name-decode.log" 1 serve $model --port $D $COMMON --kv-transfer-config "$consumer"
   wait_up http://127.0.0.1:$P; wait_up http://127.0.0.1:$D
@@ -42,6 +46,6 @@ print(E(model=sys.argv[1] or None).create_engine_config().model_config.hf_config
   echo "== $name" >&2
   $PY -m benchmarks.streamed_ttft --sequential http://127.0.0.1:$S \
       --streamed http://127.0.0.1:$T --decode http://127.0.0.1:$D --vocab-size "$V" \
-      --repeats "$REPEATS" --output-json "$OUT/$name.json" >&2
+      --lengths 512 2048 $TOP --repeats "$REPEATS" --output-json "$OUT/$name.json" >&2
   stop_all
 done
