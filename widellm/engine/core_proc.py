@@ -181,9 +181,10 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int,
                                     reply.store_port, pc.distributed_timeout_s)
         core = EngineCore(config, groups)
         freeze_startup_heap(f"engine core {dp_rank}")
+        endpoint = core.kv_worker.transfer_params() if core.kv_worker is not None else {}
         out.send(encoder.encode(ReadyMessage(
             dp_rank, core.scheduler.kv_cache_manager.block_pool.num_blocks, os.getpid(),
-            core.kv_worker.transfer_params() or None if core.kv_worker is not None else None)))
+            endpoint or None)))
         _CoreLoop(core, inp, out, encoder, dp_rank, groups, parent_pid).run()
     except Exception as e:  # report, then die: the frontend fails in-flight requests
         logger.error("engine core failed:\n%s", traceback.format_exc())

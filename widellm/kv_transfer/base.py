@@ -18,9 +18,10 @@ consumer):
    (they resume with those tokens computed) and failed ones (with a cause), which follow
    ``kv_load_failure_policy``.
 
-The worker half's per-layer hooks (``wait_for_layer_load``, ``save_kv_layer``,
-``wait_for_save``) are for connectors that overlap transfers with the forward layer by layer;
-the pull-based connectors here move whole requests between steps and leave them as no-ops.
+The worker half's per-layer hooks overlap transfers with the forward layer by layer: the TCP
+connector's streamed pulls (``streams.py``) use ``begin_forward`` / ``save_kv_layer`` /
+``end_forward``; ``wait_for_layer_load`` and ``wait_for_save`` are for a connector that loads
+or pushes during the forward, and are no-ops here.
 """
 
 from __future__ import annotations

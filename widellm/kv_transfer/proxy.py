@@ -130,13 +130,13 @@ class Proxy:
             headers["authorization"] = request.headers["authorization"]
         keys = block_keys(prompt_text(body, chat))
         decode_body = body
-        if not skips_disaggregation(body) and self.streamed is not None and (
-                params := await self.streamed.start(path, body, chat, keys, headers)):
-            decode_body = {**body, "kv_transfer_params": params}
-        elif not skips_disaggregation(body):
-            params, failed = await self._prefill(path, prefill_body(body, chat), keys, headers)
-            if failed is not None:
-                return failed
+        if not skips_disaggregation(body):
+            params = (await self.streamed.start(path, body, chat, keys, headers)
+                      if self.streamed is not None else None)
+            if params is None:  # the sequential flow
+                params, failed = await self._prefill(path, prefill_body(body, chat), keys, headers)
+                if failed is not None:
+                    return failed
             if params is not None:  # None: the decode computes the prompt itself
                 decode_body = {**body, "kv_transfer_params": params}
         return await self._decode(path, decode_body, keys, headers, bool(body.get("stream")))

@@ -118,14 +118,15 @@ class PullConnectorScheduler(KVConnectorScheduler):
         for rid in so.preempted_req_ids & self._streaming:
             self._streaming.discard(rid)
             self._meta.reqs_to_unstream.add(rid)
+        streamed = [(rid, req, tid) for rid in so.num_scheduled_tokens
+                    if wants_remote_decode(req := requests[rid])
+                    and (tid := transfer_id(req.kv_transfer_params)) is not None]
+        if not streamed:
+            return
         new_blocks = {new.req_id: new.block_ids for new in so.scheduled_new_reqs}
         new_blocks.update(zip(so.scheduled_cached_reqs.req_ids,
                               so.scheduled_cached_reqs.new_block_ids))
-        for rid in so.num_scheduled_tokens:
-            req = requests[rid]
-            tid = transfer_id(req.kv_transfer_params) if wants_remote_decode(req) else None
-            if tid is None:
-                continue
+        for rid, req, tid in streamed:
             first_step = rid not in self._streaming
             self._streaming.add(rid)
             spec = StreamSpec(tid, list(new_blocks.get(rid, [])),

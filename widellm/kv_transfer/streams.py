@@ -100,8 +100,12 @@ class StreamTable:
                 del self._released_early[next(iter(self._released_early))]
 
     def take_early_release(self, transfer_id: str) -> bool:
+        """Whether ``transfer_id`` was released early (forgotten once asked)."""
         with self._cond:
-            return self._released_early.pop(transfer_id, False) is None
+            if transfer_id not in self._released_early:
+                return False
+            del self._released_early[transfer_id]
+            return True
 
     def is_known(self, ident: str) -> bool:
         with self._cond:
@@ -161,18 +165,17 @@ class StreamTable:
     def wait_layer(self, stream: Stream, layer: int, num_tokens: int, deadline: float) -> None:
         """Until ``layer`` holds the first ``num_tokens`` tokens of ``stream``'s prompt."""
         with self._cond:
-            while stream.layer_tokens[layer] < num_tokens:
+            while True:
                 if stream.broken:
                     raise TransferError("unknown_request", "the prompt was aborted or "
                                         "preempted on the prefill instance")
+                if stream.layer_tokens[layer] >= num_tokens:
+                    return
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._cond.wait(left):
-                    if stream.layer_tokens[layer] < num_tokens:
-                        raise TransferError("timeout", f"layer {layer} was not written "
-                                            "before the deadline")
-            if stream.broken:
-                raise TransferError("unknown_request", "the prompt was aborted or preempted "
-                                    "on the prefill instance")
+                if left <= 0:
+                    raise TransferError("timeout", f"layer {layer} was not written before "
+                                        "the deadline")
+                self._cond.wait(left)
 
     def is_broken(self, stream: Stream) -> bool:
         with self._cond:
