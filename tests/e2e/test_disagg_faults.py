@@ -131,7 +131,7 @@ def _streamed(prefill_s: ServerProcess, decode_s: ServerProcess, prompt: list[in
               "remote_port": rank["remote_port"], "block_size": info["block_size"]}
     result = {}
     waiter = threading.Thread(target=lambda: result.update(
-        r=decode(decode_s, prompt, params, MAX_TOKENS)))
+        r=decode(decode_s, prompt, params, MAX_TOKENS)), daemon=True)
     waiter.start()
     if send_prefill:
         r = httpx.post(prefill_s.url + "/v1/completions", timeout=60, json={
