@@ -13,12 +13,47 @@ SAMPLING_EPS = 1e-5
 
 # OpenAI's documented range for presence and frequency penalties.
 MAX_ABS_PENALTY = 2.0
+# OpenAI's range for a logit_bias value: -100 bans a token, +100 all but forces it.
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's ``StructuredOutputsParams``):
+    exactly one of ``json`` (a JSON schema, as a dict or its text), ``json_object`` (any JSON
+    object), ``regex``, ``choice`` (one of these strings) or ``grammar`` (EBNF, GBNF style).
+    ``disable_any_whitespace``: JSON without free whitespace between tokens (compact output).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of json, regex, choice, "
+                             f"grammar or json_object, got {given or 'none'}")
+        if self.choice is not None and (
+                not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty "
+                             "strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, regex, choice, grammar or json_object."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
 
 
 @dataclass(slots=True)
@@ -29,6 +64,10 @@ class SamplingParams:
     the model's context length. ``logprobs`` is the number of top logprobs returned per sampled
     token (the sampled token is always returned as well). End-of-sequence tokens are not part
     of these params: the request carries them, and ``ignore_eos`` says whether they stop it.
+    ``max_tokens=0`` computes the prompt only (for ``prompt_logprobs``) and samples nothing.
+    ``logit_bias`` adds a value in [-100, 100] to a token's logit before anything else (ids
+    are checked against the vocabulary by the engine's input processor);
+    ``structured_outputs`` constrains every sampled token to a grammar.
     """
 
     n: int = 1
@@ -50,6 +89,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # vLLM's free-form extras; "kv_transfer_params" is read by the KV connector
     # (disaggregated prefill/decode, see widellm/kv_transfer).
     extra_args: dict[str, Any] | None = None
@@ -91,8 +132,11 @@ class SamplingParams:
             )
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            # (0 computes the prompt only: it needs prompt logprobs to return anything)
+            raise ValueError("max_tokens must be >= 1, got 0")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -109,6 +153,12 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias: keys must be token ids >= 0, got {token!r}")
+            if not abs(bias) <= MAX_ABS_LOGIT_BIAS:  # also refuses nan
+                raise ValueError(f"logit_bias: values must be in [-100, 100], got {bias} for "
+                                 f"token {token}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
 

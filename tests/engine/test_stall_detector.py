@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from widellm.core.scheduler import SchedulerStats
+from widellm.core.scheduler_stats import SchedulerStats
 from widellm.engine import stall_detector
 from widellm.engine.metrics import EngineMetrics
 from widellm.engine.stall_detector import StallDetector

@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from widellm.entrypoints.input_checks import INT64_MAX, INT64_MIN, check_json_values
-from widellm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from widellm.entrypoints.protocol import CompletionRequest
+from widellm.entrypoints.protocol_chat import ChatCompletionRequest
 
 
 def test_int64_bounds_are_inclusive_and_bools_pass():

@@ -8,9 +8,9 @@ from pydantic import ValidationError
 
 from widellm.entrypoints.errors import APIError, param_of, to_api_error
 from widellm.entrypoints.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS, MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest,
-    DeltaMessage, DetokenizeRequest, TokenizeRequest,
+    DEFAULT_COMPLETION_MAX_TOKENS, MAX_LOGPROBS, CompletionRequest, DetokenizeRequest,
 )
+from widellm.entrypoints.protocol_chat import ChatCompletionRequest, DeltaMessage, TokenizeRequest
 from widellm.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -20,7 +20,7 @@ from widellm.engine.tokenizer import (
 )
 from widellm.entrypoints.errors import APIError
 from widellm.entrypoints.input_checks import INT64_MAX, check_json_values
-from widellm.entrypoints.protocol import ChatCompletionRequest, TokenizeRequest
+from widellm.entrypoints.protocol_chat import ChatCompletionRequest, TokenizeRequest
 from widellm.entrypoints.serving_base import OpenAIServing, tokenizer_executor
 
 MODEL_ARCH = "LlamaForCausalLM"

@@ -32,6 +32,8 @@ class ModelRunnerOutput:
     logprobs: list[LogprobsLists | None] = field(default_factory=list)
     # req_id -> logprobs of the prompt positions computed this step (first position has none).
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Requests whose structured output is complete after this step's token.
+    grammar_terminated: set[str] = field(default_factory=set)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

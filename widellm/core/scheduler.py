@@ -16,7 +16,6 @@ prefill instance, a finished request's blocks are held until the connector repor
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from widellm.config import CacheConfig, SchedulerConfig
@@ -24,29 +23,10 @@ from widellm.core.kv_cache_manager import KVCacheManager
 from widellm.core.outputs import EngineCoreOutput, LogprobsLists, ModelRunnerOutput
 from widellm.core.request import Request, RequestStatus
 from widellm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
-
-from widellm.kv_transfer.stats import KVTransferStats
+from widellm.core.scheduler_stats import SchedulerStats
 
 if TYPE_CHECKING:
     from widellm.kv_transfer.base import KVConnectorOutput, KVConnectorScheduler
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    # Filled in by the engine core (the scheduler does not time steps): steps taken since
-    # start and the wall time of the latest, which the frontend logs when a request stalls.
-    num_steps: int = 0
-    last_step_duration_s: float = 0.0
-    # Forwards (real or dummy) run as two overlapped micro-batches (dual-batch overlap).
-    num_dbo_steps: int = 0
-    # KV connector counters (None without one); filled in by the engine core.
-    kv_transfer: KVTransferStats | None = None
 
 
 class Scheduler:
@@ -298,14 +278,17 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran
             idx = runner_output.req_id_to_index[req_id]
             new_ids: list[int] = []
-            for token_id in runner_output.sampled_token_ids[idx]:
+            sampled = runner_output.sampled_token_ids[idx]
+            if req.max_tokens == 0 and sampled:  # prompt only: the prompt's end samples nothing
+                req.status, sampled = RequestStatus.FINISHED_LENGTH_CAPPED, []
+            for token_id in sampled:
                 req.num_output_placeholders = max(req.num_output_placeholders - 1, 0)
                 req.append_output_token(token_id)
                 new_ids.append(token_id)
-                if self._check_stop(req):
+                if self._check_stop(req, req_id in runner_output.grammar_terminated):
                     break
             prompt_lp = runner_output.prompt_logprobs.get(req_id)
-            if not new_ids and prompt_lp is None:
+            if not new_ids and prompt_lp is None and not req.is_finished:
                 continue
             lp = runner_output.logprobs[idx] if runner_output.logprobs else None
             kv_params = None
@@ -337,9 +320,15 @@ class Scheduler:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _check_stop(self, req: Request) -> bool:
+    def _check_stop(self, req: Request, grammar_terminated: bool = False) -> bool:
+        """Whether ``req`` ends with its latest token. ``grammar_terminated``: its structured
+        output is complete (the grammar accepted a stop token), which ends it even under
+        ignore_eos, since the grammar admits nothing after that."""
         params = req.sampling_params
         last = req.output_token_ids[-1]
+        if grammar_terminated:
+            req.status = RequestStatus.FINISHED_STOPPED
+            return True
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED

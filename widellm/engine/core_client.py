@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from widellm.config import EngineConfig
 from widellm.core.outputs import EplbStats
-from widellm.core.scheduler import SchedulerStats
+from widellm.core.scheduler_stats import SchedulerStats
 from widellm.distributed.load_balancer import DPLoadBalancer
 from widellm.engine.core_proc import (
     HELLO, EngineCoreOutputs, HandshakeReply, ReadyMessage, RequestKind, StartupPhase,

@@ -42,7 +42,7 @@ import zmq
 
 from widellm.config import EngineConfig
 from widellm.core.outputs import EngineCoreOutput, EplbStats
-from widellm.core.scheduler import SchedulerStats
+from widellm.core.scheduler_stats import SchedulerStats
 from widellm.device import on_cuda
 from widellm.distributed.groups import DPGroups, destroy_dp_groups, init_dp_groups
 from widellm.distributed.lockstep import DPLockstep

@@ -18,7 +18,8 @@ from widellm.compute_threads import init_compute_thread
 from widellm.config import EngineConfig
 from widellm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from widellm.core.request import Request
-from widellm.core.scheduler import Scheduler, SchedulerStats
+from widellm.core.scheduler import Scheduler
+from widellm.core.scheduler_stats import SchedulerStats
 from widellm.core.scheduler_output import SchedulerOutput
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.distributed.groups import DPGroups

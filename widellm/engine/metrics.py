@@ -10,7 +10,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from widellm.core.outputs import EplbStats
-from widellm.core.scheduler import SchedulerStats
+from widellm.core.scheduler_stats import SchedulerStats
 from widellm.engine.kv_transfer_metrics import KVTransferMetrics
 
 logger = logging.getLogger(__name__)

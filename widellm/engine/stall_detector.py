@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from widellm.core.scheduler import SchedulerStats
+from widellm.core.scheduler_stats import SchedulerStats
 from widellm.engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)

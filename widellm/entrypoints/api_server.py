@@ -37,9 +37,9 @@ from widellm.entrypoints.body_limit import BodySizeLimitMiddleware
 from widellm.entrypoints.drain import DrainingServer
 from widellm.entrypoints.errors import APIError, param_of, to_api_error
 from widellm.entrypoints.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard, ModelList,
-    TokenizeRequest, VersionResponse,
+    CompletionRequest, DetokenizeRequest, ModelCard, ModelList, VersionResponse,
 )
+from widellm.entrypoints.protocol_chat import ChatCompletionRequest, TokenizeRequest
 from widellm.entrypoints.serving_base import tokenizer_executor
 from widellm.entrypoints.serving_chat import OpenAIServingChat
 from widellm.entrypoints.serving_completion import OpenAIServingCompletion

@@ -24,7 +24,7 @@ from starlette.requests import Request
 
 from widellm.engine.async_llm import AsyncLLM
 from widellm.entrypoints.errors import APIError
-from widellm.entrypoints.protocol import ChatMessage, ChatTemplateFields
+from widellm.entrypoints.protocol_chat import ChatMessage, ChatTemplateFields
 from widellm.sampling_params import SamplingParams
 
 

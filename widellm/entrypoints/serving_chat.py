@@ -12,10 +12,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from widellm.entrypoints.protocol import (
+from widellm.entrypoints.protocol import UsageInfo
+from widellm.entrypoints.protocol_chat import (
     ChatCompletionLogProbs, ChatCompletionMessage, ChatCompletionRequest,
     ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, DeltaMessage, UsageInfo,
+    ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, DeltaMessage,
 )
 from widellm.entrypoints.serving_base import OpenAIServing, random_uuid
 from widellm.entrypoints.streaming import (

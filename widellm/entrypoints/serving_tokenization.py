@@ -7,9 +7,8 @@ import functools
 from http import HTTPStatus
 
 from widellm.entrypoints.errors import APIError
-from widellm.entrypoints.protocol import (
-    DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
-)
+from widellm.entrypoints.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeResponse
+from widellm.entrypoints.protocol_chat import TokenizeRequest
 from widellm.entrypoints.serving_base import OpenAIServing
 
 

@@ -1,0 +1,156 @@
+"""OpenAI-compatible chat request and response shapes (pydantic v2): messages, the chat
+template fields shared with /tokenize, and the chat completion, chunk and logprob models.
+Shared fields and the completions shapes live in ``protocol``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, StrictStr, model_serializer, model_validator
+
+from widellm.entrypoints.protocol import (
+    MAX_LOGPROBS, OpenAIBaseModel, RequestModel, SamplingRequest, UsageInfo, _now,
+)
+from widellm.sampling_params import SamplingParams
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content is one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatTemplateFields(RequestModel):
+    """How chat messages become a prompt (shared by chat and /tokenize)."""
+
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's field: a Jinja template used instead of the model's. A template is code, so the
+    # server renders one only when started with --trust-request-chat-template.
+    chat_template: StrictStr | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        """OpenAI's newer name wins over the deprecated one."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def to_sampling_params(self) -> SamplingParams:
+        top = self.top_logprobs
+        if top is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs=true")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}")
+        logprobs = (top or 0) if self.logprobs else None
+        try:
+            return self._sampling_params(max_tokens=self.effective_max_tokens, logprobs=logprobs)
+        except ValueError as e:
+            # Name the field the client actually sent.
+            if self.max_completion_tokens is not None and str(e).startswith("max_tokens"):
+                raise ValueError("max_completion_tokens" + str(e)[len("max_tokens"):]) from None
+            raise
+
+
+class TokenizeRequest(ChatTemplateFields):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt or messages")
+        return self
+
+
+
+# ---- responses -----------------------------------------------------------------------------
+
+class ChatLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class ChatCompletionMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo | None = None
+    # A prefill instance's answer for the decode instance (disaggregated prefill/decode).
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        # A delta lists only what it carries; the closing chunk's delta is {} as in OpenAI.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
