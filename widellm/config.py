@@ -8,6 +8,7 @@ depend on the model (``max_model_len``) and is the only place that reads the che
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,6 +304,42 @@ class ObservabilityConfig:
                 f"request_stall_timeout_s must be >= 0, got {self.request_stall_timeout_s}")
 
 
+# Grammar engines for structured outputs ("auto" picks xgrammar, the only one so far).
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """How requests with a structured output (JSON schema, regex, choice, grammar) are
+    constrained: the grammar engine, and whether JSON may contain free whitespace (a
+    request can ask for compact JSON itself too)."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"structured_outputs_config: backend must be one of "
+                             f"{', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got {self.backend!r}")
+
+    @classmethod
+    def parse(cls, value: "str | dict | None") -> "StructuredOutputsConfig":
+        """From ``--structured-outputs-config`` JSON (or a dict); None gives the defaults."""
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs_config: not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs_config: must be a JSON object")
+        unknown = set(value) - {"backend", "disable_any_whitespace"}
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown keys {sorted(unknown)}")
+        return cls(**value)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -313,6 +350,7 @@ class EngineConfig:
     eplb_config: EPLBConfig = EPLBConfig()
     # Disaggregated prefill/decode: this instance's KV connector (None: colocated).
     kv_transfer_config: KVTransferConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def __post_init__(self) -> None:
         if self.eplb_config.enable_eplb and not self.parallel_config.needs_lockstep:

@@ -15,6 +15,8 @@ from widellm.worker.sampler import (
     compute_logprobs,
     fill_exponential_,
     gather_logprobs,
+)
+from widellm.worker.sampler_reference import (
     reference_apply_penalties_row,
     reference_filter_row,
     reference_sample_row,

@@ -50,7 +50,8 @@ class Request:
     with different salts never share a cached block.
     With async scheduling, ``num_output_placeholders`` tokens are being sampled by steps in
     flight; the next step is scheduled as if they were known.
-    ``kv_transfer_params`` are the KV connector's (``widellm.kv_transfer``): a prompt to
+    ``grammar`` is the compiled constraint of a structured output (set before it is
+    scheduled). ``kv_transfer_params`` are the KV connector's (``widellm.kv_transfer``): a prompt to
     hand to a remote decode, or to load from a remote prefill; ``num_external_tokens`` of its
     prompt were loaded that way.
     """
@@ -60,6 +61,7 @@ class Request:
         "output_token_ids", "all_token_ids", "num_computed_tokens", "num_cached_tokens",
         "block_hashes", "status", "stop_reason", "max_tokens", "num_preemptions",
         "num_output_placeholders", "cache_salt", "kv_transfer_params", "num_external_tokens",
+        "grammar",
     )
 
     def __init__(
@@ -92,6 +94,8 @@ class Request:
         self.num_output_placeholders = 0
         self.kv_transfer_params = kv_transfer_params
         self.num_external_tokens = 0
+        # A structured output's compiled grammar, attached once compiled (engine core).
+        self.grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

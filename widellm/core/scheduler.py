@@ -164,6 +164,7 @@ class Scheduler:
                 eos_token_ids=req.eos_token_ids,
                 block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
                 num_computed_tokens=num_hit,
+                grammar=req.grammar,
             ))
             num_scheduled[req.request_id] = num_new
             budget -= num_new

@@ -8,7 +8,7 @@ blocks it gained (``CachedRequestData``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from widellm.sampling_params import SamplingParams
@@ -24,6 +24,8 @@ class NewRequestData:
     eos_token_ids: frozenset[int]
     block_ids: list[int]
     num_computed_tokens: int
+    # The compiled grammar of a structured output (``structured_output.backend``), or None.
+    grammar: Any = None
 
 
 @dataclass(slots=True)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, fields
 
 from widellm.config import (
     ALL2ALL_BACKENDS, DBO_MODES, CacheConfig, EngineConfig, EPLBConfig, ModelConfig, ObservabilityConfig,
-    ParallelConfig, SchedulerConfig, default_prefill_pad_multiple, resolve_dtype,
+    ParallelConfig, SchedulerConfig, StructuredOutputsConfig, default_prefill_pad_multiple,
+    resolve_dtype,
 )
 from widellm.device import on_cuda
 from widellm.kv_transfer.config import KVTransferConfig
@@ -124,6 +125,9 @@ class EngineArgs:
                 '{"kv_connector": "TCPConnector", "kv_role": "kv_producer|kv_consumer|'
                 'kv_both", "kv_load_failure_policy": "recompute|fail", '
                 '"kv_connector_extra_config": {...}} (see widellm/kv_transfer)'})
+    structured_outputs_config: str | dict | None = field(default=None, metadata={
+        "help": 'structured outputs, as JSON: {"backend": "auto|xgrammar", '
+                '"disable_any_whitespace": false} (JSON without free whitespace)'})
     collect_step_breakdown: bool = field(default=False, metadata={
         "help": "time each step's phases (attention, experts, MoE communication, idle)"})
     request_stall_timeout_s: float = field(default=60.0, metadata={
@@ -221,6 +225,8 @@ class EngineArgs:
                 collect_step_breakdown=self.collect_step_breakdown,
                 request_stall_timeout_s=self.request_stall_timeout_s),
             kv_transfer_config=kv_transfer_config,
+            structured_outputs_config=StructuredOutputsConfig.parse(
+                self.structured_outputs_config),
         )
 
     def replace(self, **changes) -> "EngineArgs":

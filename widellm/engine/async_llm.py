@@ -44,8 +44,9 @@ class AsyncLLM:
     def __init__(self, engine_args: EngineArgs) -> None:
         self.config = engine_args.create_engine_config()
         self.model_config = self.config.model_config
-        self.processor = InputProcessor.from_model_config(self.model_config,
-                                                          self.config.kv_transfer_config)
+        self.processor = InputProcessor.from_model_config(
+            self.model_config, self.config.kv_transfer_config,
+            self.config.structured_outputs_config.backend)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.model_config.served_name)

@@ -237,7 +237,7 @@ class _CoreLoop:
         while True:
             busy = core.has_unfinished_requests() or runner.sizes_to_warm
             self._drain(0 if busy else self._idle_poll_ms(IDLE_POLL_MS))
-            self._poll_kv_transfers()
+            self._poll_pending()
             if self.shutdown_requested:
                 return
             if not core.has_unfinished_requests():
@@ -251,7 +251,7 @@ class _CoreLoop:
         while True:
             busy = in_wave or core.has_unfinished_requests()
             self._drain(0 if busy else self._idle_poll_ms(LOCKSTEP_IDLE_POLL_MS))
-            self._poll_kv_transfers()
+            self._poll_pending()
             # Scheduled before the vote: the vote carries the forward's row count.
             step = core.plan_step()
             with maybe_phase(core.step_timer, "lockstep_sync"):
@@ -276,7 +276,7 @@ class _CoreLoop:
         while True:
             busy = in_wave or core.has_unfinished_requests() or bool(pipe.in_flight)
             self._drain(0 if busy else self._idle_poll_ms(LOCKSTEP_IDLE_POLL_MS))
-            self._poll_kv_transfers()
+            self._poll_pending()
             if not pipe.full and (core.scheduler.has_unfinished_requests()
                                   or not pipe.in_flight):
                 so = core.schedule_step()
@@ -313,12 +313,14 @@ class _CoreLoop:
             self.shutdown_requested = True
 
     def _idle_poll_ms(self, idle_ms: int) -> int:
-        return KV_TRANSFER_POLL_MS if self.core.has_pending_kv_transfers() else idle_ms
+        core = self.core
+        waiting = core.has_pending_kv_transfers() or core.structured.has_pending
+        return KV_TRANSFER_POLL_MS if waiting else idle_ms
 
-    def _poll_kv_transfers(self) -> None:
+    def _poll_pending(self) -> None:
         """Hand ended KV transfers to the scheduler; a request the connector failed is
         answered now, and a change in held blocks reaches the metrics."""
-        outputs = self.core.poll_kv_transfers()
+        outputs = self.core.poll_pending()
         if outputs is None:
             return
         if outputs:

@@ -25,14 +25,18 @@ from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.distributed.groups import DPGroups
 from widellm.distributed.lockstep import DPLockstep, StepAgreement
 from widellm.engine.dbo_policy import DboPolicy
-from widellm.engine.kv_budget import plan_num_blocks
+from widellm.engine.kv_budget import determine_num_blocks
+from widellm.engine.tokenizer import get_tokenizer
 from widellm.kv_transfer.registry import make_scheduler
+from widellm.model.loader import load_eos_token_ids
 from widellm.sampling_params import SamplingParams
 from widellm.step_timer import StepTimer, maybe_phase
+from widellm.structured_output.backend import StructuredOutputBackend
+from widellm.structured_output.manager import StructuredOutputManager
+from widellm.structured_output.registry import make_backend
 from widellm.worker.model_runner import DUMMY_BATCH_ROWS, ModelInput, ModelRunner
 
 logger = logging.getLogger(__name__)
-GIB = 1 << 30
 # How long an offline step with nothing to run but KV loads waits for one to end.
 KV_TRANSFER_WAIT_S = 0.002
 
@@ -135,6 +139,8 @@ class EngineCore:
         # that votes and runs forwards).
         self.dbo_policy = DboPolicy(pc)
         self._last_forward_us = 0
+        # Structured outputs: requests wait here while their grammar compiles.
+        self.structured = StructuredOutputManager(self._structured_output_backend)
 
     def _on_runner_thread(self, fn, *args):
         """``fn(*args)`` on the thread that runs the forwards (this one when synchronous)."""
@@ -149,7 +155,7 @@ class EngineCore:
     def _build_runner(self, ep: ExpertParallelContext | None) -> tuple[ModelRunner, int]:
         """The model runner with its KV cache allocated and its kernels warmed up."""
         runner = ModelRunner(self.config, ep, self.step_timer)
-        num_blocks = self._determine_num_blocks(runner)
+        num_blocks = determine_num_blocks(self.config, runner.kv_spec.bytes_per_block)
         runner.initialize_kv_cache(num_blocks)
         sc = self.config.scheduler_config
         # The shapes of a full prefill step and of a full decode step.
@@ -162,38 +168,72 @@ class EngineCore:
         if self.model_runner.sizes_to_warm:
             self._on_runner_thread(self.model_runner.warm_next_size)
 
+    def _structured_output_backend(self) -> StructuredOutputBackend:
+        """The grammar engine over this model's tokenizer (built on first use)."""
+        mc = self.config.model_config
+        tokenizer = get_tokenizer(mc.tokenizer)
+        eos = load_eos_token_ids(mc.model, mc.hf_config) or [tokenizer.eos_token_id]
+        return make_backend(self.config.structured_outputs_config, tokenizer,
+                            mc.hf_config.vocab_size, eos)
+
     def add_request(self, req: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(
+        request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             frozenset(req.eos_token_ids), req.max_tokens, req.arrival_time, req.cache_salt,
             req.kv_transfer_params,
-        ))
+        )
+        if request.sampling_params.structured_outputs is not None:
+            self.structured.add(request)  # scheduled once its grammar is compiled
+            return
+        self.scheduler.add_request(request)
         self._start_kv_transfers()
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.abort_requests(request_ids)
+        self.scheduler.abort_requests(self.structured.abort(request_ids))
         self._start_kv_transfers()
+
+    def admit_compiled(self) -> list[EngineCoreOutput] | None:
+        """Hand requests whose grammar is compiled to the scheduler; returns the outputs of
+        those that failed to compile (None when none finished compiling)."""
+        ready, failed = self.structured.pop_finished()
+        for request in ready:
+            self.scheduler.add_request(request)
+        if ready:
+            self._start_kv_transfers()
+        if not (ready or failed):
+            return None
+        return [EngineCoreOutput(request_id=r.request_id, new_token_ids=[],
+                                 finish_reason=r.status.finish_reason, stop_reason=r.stop_reason)
+                for r in failed]
 
     # ---- KV transfer (disaggregated prefill/decode) -----------------------------------------
 
     def has_loads_in_flight(self) -> bool:
-        """Requests waiting for their prompt KV: they will run once it is loaded."""
-        return bool(self.scheduler.waiting_for_remote)
+        """Requests not yet schedulable: waiting for their prompt KV or their grammar."""
+        return bool(self.scheduler.waiting_for_remote) or self.structured.has_pending
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block until a KV load or a grammar compilation may have ended."""
+        if self.structured.has_pending:
+            self.structured.wait(timeout_s)
+        elif self.kv_worker is not None:
+            self.kv_worker.wait_for_progress(timeout_s)
 
     def has_pending_kv_transfers(self) -> bool:
         return self.kv_worker is not None and self.scheduler.has_pending_kv_transfers()
 
-    def poll_kv_transfers(self) -> list[EngineCoreOutput] | None:
-        """Apply the transfers the connector finished (loaded requests rejoin the waiting
-        queue, sent blocks are freed, failed loads follow the policy) and start the ones
-        decided since; returns the outputs of failed requests, or None when nothing ended.
-        Only on the thread that schedules."""
+    def poll_pending(self) -> list[EngineCoreOutput] | None:
+        """Admit compiled structured requests, apply the transfers the connector finished
+        (loaded requests rejoin the waiting queue, sent blocks are freed, failed loads follow
+        the policy) and start the ones decided since; returns the outputs of failed
+        requests, or None when nothing ended. Only on the thread that schedules."""
+        compiled = self.admit_compiled()
         if self.kv_worker is None:
-            return None
+            return compiled
         finished = self.kv_worker.get_finished()
-        outputs = None
+        outputs = compiled
         if not finished.is_empty:
-            outputs = self.scheduler.update_from_kv_connector(finished)
+            outputs = (outputs or []) + self.scheduler.update_from_kv_connector(finished)
         self._start_kv_transfers()
         return outputs
 
@@ -215,10 +255,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
-        kv_outputs = self.poll_kv_transfers() or []
+        kv_outputs = self.poll_pending() or []
         if not self.has_unfinished_requests():  # (steps in flight still get collected)
             if self.has_loads_in_flight():  # nothing to run until a load ends
-                self.kv_worker.wait_for_progress(KV_TRANSFER_WAIT_S)
+                self.wait_for_loads(KV_TRANSFER_WAIT_S)
             return kv_outputs
         start = time.monotonic()
         try:
@@ -335,34 +375,7 @@ class EngineCore:
         return self._update_from_output(so, future.result())
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         if self.runner_thread is not None:
             self.runner_thread.shutdown(wait=True, cancel_futures=True)
         self.model_runner.shutdown()
-
-    def _determine_num_blocks(self, runner: ModelRunner) -> int:
-        cc = self.config.cache_config
-        spec = runner.kv_spec
-        plan = plan_num_blocks(self.config, spec.bytes_per_block)
-        num_blocks = plan.num_blocks
-        if num_blocks < 1:
-            raise ValueError(
-                f"KV cache too small ({plan.reason}): one block needs {spec.bytes_per_block} "
-                "bytes; raise kv_cache_memory / kv_cache_memory_fraction"
-            )
-        max_len = self.config.scheduler_config.max_model_len
-        if num_blocks * cc.block_size < max_len:
-            # A request that can never fit would preempt itself forever.
-            raise ValueError(
-                f"max_model_len={max_len} is more than the KV cache holds "
-                f"({num_blocks} blocks x {cc.block_size} = {num_blocks * cc.block_size} tokens, "
-                f"{plan.reason}); raise kv_cache_memory / kv_cache_memory_fraction / "
-                "num_kv_blocks or lower max_model_len"
-            )
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB = %d bytes (%d bytes per "
-            "block; sized by %s)",
-            num_blocks, cc.block_size, num_blocks * cc.block_size,
-            num_blocks * spec.bytes_per_block / GIB, num_blocks * spec.bytes_per_block,
-            spec.bytes_per_block, plan.reason,
-        )
-        return num_blocks

@@ -26,6 +26,7 @@ from widellm.device import on_cuda
 from widellm.worker.kv_cache import available_memory
 
 logger = logging.getLogger(__name__)
+GIB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,3 +92,32 @@ def plan_num_blocks(config: EngineConfig, bytes_per_block: int) -> KVBlockPlan:
                                  f"{budget}-byte budget")
     return KVBlockPlan(cap, f"this rank's {budget}-byte budget "
                             f"(max_num_seqs x max_model_len would use {need} blocks)")
+
+
+def determine_num_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """The blocks to allocate, checked to hold one max_model_len request, and logged."""
+    cc = config.cache_config
+    plan = plan_num_blocks(config, bytes_per_block)
+    num_blocks = plan.num_blocks
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache too small ({plan.reason}): one block needs {bytes_per_block} "
+            "bytes; raise kv_cache_memory / kv_cache_memory_fraction"
+        )
+    max_len = config.scheduler_config.max_model_len
+    if num_blocks * cc.block_size < max_len:
+        # A request that can never fit would preempt itself forever.
+        raise ValueError(
+            f"max_model_len={max_len} is more than the KV cache holds "
+            f"({num_blocks} blocks x {cc.block_size} = {num_blocks * cc.block_size} tokens, "
+            f"{plan.reason}); raise kv_cache_memory / kv_cache_memory_fraction / "
+            "num_kv_blocks or lower max_model_len"
+        )
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB = %d bytes (%d bytes per "
+        "block; sized by %s)",
+        num_blocks, cc.block_size, num_blocks * cc.block_size,
+        num_blocks * bytes_per_block / GIB, num_blocks * bytes_per_block,
+        bytes_per_block, plan.reason,
+    )
+    return num_blocks

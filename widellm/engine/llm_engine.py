@@ -32,7 +32,8 @@ class LLMEngine:
         self.config = engine_args.create_engine_config()
         mc = self.config.model_config
         torch.manual_seed(mc.seed)
-        self.processor = InputProcessor.from_model_config(mc, self.config.kv_transfer_config)
+        self.processor = InputProcessor.from_model_config(
+            mc, self.config.kv_transfer_config, self.config.structured_outputs_config.backend)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         if self.config.parallel_config.data_parallel_size == 1:
@@ -62,6 +63,7 @@ class LLMEngine:
         for prompt, p, rank in zip(prompts, params, ranks, strict=True):
             text, token_ids = self.processor.tokenize(prompt)
             self.processor.validate_prompt(token_ids)
+            self.processor.validate_params(p)
             salt = self.processor.cache_salt(prompt)
             if rank is not None:
                 if self.client is None and rank != 0:

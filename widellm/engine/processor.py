@@ -19,6 +19,7 @@ from widellm.kv_transfer.config import KVTransferConfig
 from widellm.kv_transfer.registry import supports_streaming
 from widellm.model.loader import load_eos_token_ids
 from widellm.sampling_params import SamplingParams
+from widellm.structured_output.registry import backend_class
 
 # A prompt: text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...} as in vLLM, the
 # dict optionally with "cache_salt".
@@ -30,14 +31,14 @@ MAX_TRANSFER_ID_CHARS = 128
 class InputProcessor:
     @classmethod
     def from_model_config(cls, model_config: ModelConfig,
-                          kv_transfer_config: KVTransferConfig | None = None
-                          ) -> "InputProcessor":
+                          kv_transfer_config: KVTransferConfig | None = None,
+                          structured_outputs_backend: str = "auto") -> "InputProcessor":
         """Tokenizer and EOS ids (generation config first, else the tokenizer's EOS)."""
         tokenizer = get_tokenizer(model_config.tokenizer)
         eos = load_eos_token_ids(model_config.model, model_config.hf_config)
         if not eos and tokenizer.eos_token_id is not None:
             eos = [tokenizer.eos_token_id]
-        return cls(model_config, tokenizer, eos, kv_transfer_config)
+        return cls(model_config, tokenizer, eos, kv_transfer_config, structured_outputs_backend)
 
     def __init__(
         self,
@@ -45,8 +46,10 @@ class InputProcessor:
         tokenizer: PreTrainedTokenizerBase | None,
         eos_token_ids: list[int],
         kv_transfer_config: KVTransferConfig | None = None,
+        structured_outputs_backend: str = "auto",
     ) -> None:
         self.model_config = model_config
+        self.structured_outputs_backend = structured_outputs_backend
         self.kv_transfer_config = kv_transfer_config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -107,6 +110,22 @@ class InputProcessor:
             raise ValueError(
                 f"prompt_token_ids: {bad[:3]} outside the vocabulary [0, {self.vocab_size})"
             )
+
+    def validate_params(self, params: SamplingParams,
+                        structured_param: str = "structured_outputs") -> None:
+        """What only the model can check: logit_bias ids in the vocabulary, and a structured
+        output's constraint (parsed, not compiled; ``structured_param`` names the request
+        field that carried it)."""
+        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:3]} outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            try:
+                backend_class(self.structured_outputs_backend).validate(
+                    params.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"{structured_param}: {e}") from None
 
     def make_core_requests(
         self, request_id: str, token_ids: list[int], params: SamplingParams,

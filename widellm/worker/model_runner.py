@@ -32,6 +32,7 @@ from widellm.layers.moe.layer import FusedMoE
 from widellm.model.loader import build_model
 from widellm.ops.cpu_kernels import load_cpu_kernels
 from widellm.step_timer import StepTimer, maybe_phase
+from widellm.structured_output.runner_grammars import RunnerGrammars
 from widellm.worker.cpu_allocator import keep_freed_memory
 from widellm.worker.dbo_runner import DualBatchRunner
 from widellm.worker.eplb_controller import EplbController
@@ -39,7 +40,8 @@ from widellm.worker.input_batch import (
     BatchInputs, CachedRequestState, ModelInput, build_batch_inputs,
 )
 from widellm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
-from widellm.worker.sampler import LogprobsTensors, Sampler, compute_logprobs, gather_logprobs
+from widellm.worker.logprobs_lists import compute_prompt_logprobs, to_lists
+from widellm.worker.sampler import Sampler
 from widellm.worker.sampling_metadata import SamplingMetadata
 from widellm.worker.ubatch_split import split_dummy_batch, split_model_input
 
@@ -88,6 +90,7 @@ class ModelRunner:
         self.states: dict[str, CachedRequestState] = {}
         # Seeded generators outlive preemption so a recomputed request keeps its stream.
         self.generators: dict[str, torch.Generator] = {}
+        self.grammars = RunnerGrammars(self.vocab_size)  # structured outputs' matchers
         self.kv_caches: list[torch.Tensor] = []
         # Decode attention reads the paged cache in place where the CPU kernel is available and
         # every attention layer prefers it; otherwise it gathers each context and runs torch
@@ -201,27 +204,36 @@ class ModelRunner:
 
         query_end = np.cumsum(batch.query_lens)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        terminated: set[str] = set()
         logprobs: list[LogprobsLists | None] = [None] * len(batch.req_ids)
         if batch.sample_rows:
             rows = batch.sample_rows
             logits = self.model.compute_logits(hidden[torch.from_numpy(query_end[rows] - 1)])
+            row_ids = [batch.req_ids[r] for r in rows]
+            if self.grammars.matchers:
+                logits = logits.to(torch.float32)
+                self.grammars.mask_logits_(logits, row_ids)
             out = self.sampler(logits, self._sampling_metadata(batch, rows))
             tokens = out.sampled_token_ids.tolist()
+            if self.grammars.matchers:
+                terminated = self.grammars.accept(row_ids, tokens)
             for j, row in enumerate(rows):
                 state = self.states[batch.req_ids[row]]
                 state.token_ids.append(tokens[j])
                 sampled[row] = [tokens[j]]
                 n = state.sampling_params.logprobs
                 if out.logprobs is not None and n is not None:
-                    logprobs[row] = _to_lists(out.logprobs, j, j + 1, n)
+                    logprobs[row] = to_lists(out.logprobs, j, j + 1, n)
 
-        prompt_logprobs = self._prompt_logprobs(batch, hidden, query_end)
+        prompt_logprobs = compute_prompt_logprobs(self.model, self.states, batch, hidden,
+                                                  query_end)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar_terminated=terminated,
         )
 
     @torch.inference_mode()
@@ -320,8 +332,10 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.states.pop(req_id, None)
             self.generators.pop(req_id, None)
+            self.grammars.remove(req_id)
         for req_id in so.preempted_req_ids:
             self.states.pop(req_id, None)
+            self.grammars.remove(req_id)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
             if params.seed is not None and new.req_id not in self.generators:
@@ -335,6 +349,8 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
             )
+            if new.grammar is not None:
+                self.grammars.add(new.req_id, new.grammar, new.output_token_ids)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -356,31 +372,3 @@ class ModelRunner:
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
             eos_token_ids=[s.eos_token_ids for s in states],
         )
-
-    def _prompt_logprobs(
-        self, batch: BatchInputs, hidden: torch.Tensor, query_end: np.ndarray
-    ) -> dict[str, LogprobsLists]:
-        """Logprob of each prompt token given the tokens before it, for the prompt positions
-        computed this step (position p predicts token p + 1)."""
-        result: dict[str, LogprobsLists] = {}
-        for row, req_id in enumerate(batch.req_ids):
-            state = self.states[req_id]
-            n = state.sampling_params.prompt_logprobs
-            start = int(batch.context_lens[row] - batch.query_lens[row])
-            end = min(int(batch.context_lens[row]), state.num_prompt_tokens - 1)
-            if n is None or start >= end:
-                continue
-            first = int(query_end[row] - batch.query_lens[row])
-            logits = self.model.compute_logits(hidden[first:first + end - start])
-            targets = torch.tensor(state.token_ids[start + 1:end + 1], dtype=torch.int64)
-            lp = gather_logprobs(compute_logprobs(logits), targets, n)
-            result[req_id] = _to_lists(lp, 0, end - start, n)
-        return result
-
-
-def _to_lists(lp: LogprobsTensors, start: int, end: int, num: int) -> LogprobsLists:
-    return LogprobsLists(
-        logprob_token_ids=lp.logprob_token_ids[start:end, : num + 1].tolist(),
-        logprobs=lp.logprobs[start:end, : num + 1].tolist(),
-        ranks=lp.selected_token_ranks[start:end].tolist(),
-    )

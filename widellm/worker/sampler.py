@@ -1,23 +1,23 @@
 """Turns one step's logits into next tokens, and the logprobs requests asked for.
 
-Order, as in vLLM: logprobs from the raw logits; min_tokens masking; penalties; then greedy
+Order, as in vLLM: logprobs from the raw logits; logit_bias; min_tokens masking (never
+masking a row's every allowed token: a grammar that admits only EOS wins); penalties; then greedy
 rows take the argmax while random rows go through temperature, top-k, top-p, min-p and an
 exponential race (argmax of probs / q, q ~ Exponential(1)), which samples from probs without
 a cumulative-sum search and lets a seeded row draw q from its own generator.
 
 The batched functions are written for speed (no loops over rows except seeded generators);
-the ``reference_*`` functions below them do the same per row in plain code, for tests.
+``sampler_reference.py`` does the same per row in plain code, for tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from widellm.sampling_params import SAMPLING_EPS, SamplingParams
+from widellm.sampling_params import SAMPLING_EPS
 from widellm.worker.sampling_metadata import SamplingMetadata
 
 # How many of the most likely tokens top-p examines before falling back to a full sort.
@@ -89,11 +89,15 @@ class Sampler(nn.Module):
             and md.no_penalties
             and not md.stop_token_ids_to_mask
             and md.max_num_logprobs is None
+            and md.logit_bias is None
         ):
             return SamplerOutput(row_argmax(logits), None)
 
         raw_logprobs = compute_logprobs(logits) if md.max_num_logprobs is not None else None
         logits = logits.to(torch.float32)
+        if md.logit_bias is not None:
+            rows, ids, biases = md.logit_bias
+            logits.index_put_((rows, ids), biases, accumulate=True)
         logits = apply_min_tokens_mask(logits, md.stop_token_ids_to_mask)
         if not md.no_penalties:
             logits = apply_penalties(logits, md)
@@ -154,7 +158,8 @@ def gather_logprobs(
 def apply_min_tokens_mask(
     logits: torch.Tensor, stop_token_ids_to_mask: dict[int, list[int]]
 ) -> torch.Tensor:
-    """Set logits[row, id] = -inf for each masked id (in place). logits: [B, V]."""
+    """Set logits[row, id] = -inf for each masked id (in place). logits: [B, V]. A row that
+    would have no token left (a grammar that admits only EOS) keeps its stop ids."""
     if not stop_token_ids_to_mask:
         return logits
     rows: list[int] = []
@@ -163,7 +168,13 @@ def apply_min_tokens_mask(
         rows.extend([row] * len(ids))
         cols.extend(ids)
     index = torch.tensor([rows, cols], dtype=torch.int64, device=logits.device)
+    saved = logits[index[0], index[1]]
     logits[index[0], index[1]] = float("-inf")
+    masked_rows = torch.tensor(list(stop_token_ids_to_mask), device=logits.device)
+    dead = masked_rows[logits[masked_rows].amax(dim=-1) == float("-inf")]
+    if dead.numel():
+        keep = torch.isin(index[0], dead)
+        logits[index[0][keep], index[1][keep]] = saved[keep]
     return logits
 
 
@@ -306,84 +317,3 @@ def fill_exponential_(q: torch.Tensor, generator: torch.Generator | None = None)
     keeps q > 0, so probs / q is never 0/0; u = 0 gives q = inf, a token that cannot win.
     """
     return q.uniform_(generator=generator).log_().neg_()
-
-
-# ---- Per-row reference implementations (slow, plain; tests compare the batched path) ----
-
-
-def reference_apply_penalties_row(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    prompt_token_ids: Sequence[int],
-    output_token_ids: Sequence[int],
-) -> torch.Tensor:
-    """logits: [V] -> penalised copy [V] fp32, one token at a time."""
-    out = logits.to(torch.float32).clone()
-    vocab_size = out.shape[0]
-    counts: dict[int, int] = {}
-    for t in output_token_ids:
-        if 0 <= t < vocab_size:
-            counts[t] = counts.get(t, 0) + 1
-    seen = set(counts) | {t for t in prompt_token_ids if 0 <= t < vocab_size}
-    repetition = torch.tensor(params.repetition_penalty, dtype=torch.float32)
-    frequency = torch.tensor(params.frequency_penalty, dtype=torch.float32)
-    presence = torch.tensor(params.presence_penalty, dtype=torch.float32)
-    for t in seen:
-        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
-    for t, count in counts.items():
-        out[t] = out[t] - frequency * count
-        out[t] = out[t] - presence
-    return out
-
-
-def reference_filter_row(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [V] (already penalised) -> [V] bool, the tokens top-k, top-p and min-p keep."""
-    scaled = logits.to(torch.float32) / params.temperature
-    values = scaled.tolist()
-    vocab_size = len(values)
-    order = sorted(range(vocab_size), key=lambda i: (-values[i], i))
-    keep = [v != float("-inf") for v in values]
-
-    if params.top_k > 0:
-        kth_largest = values[order[min(params.top_k, vocab_size) - 1]]
-        keep = [k and v >= kth_largest for k, v in zip(keep, values)]
-
-    if params.top_p < 1.0:
-        probs = torch.softmax(scaled.masked_fill(~torch.tensor(keep), float("-inf")), -1).tolist()
-        mass = 0.0
-        for i in order:
-            if not keep[i]:
-                continue
-            if mass >= params.top_p:
-                keep[i] = False
-            else:
-                mass += probs[i]
-
-    if params.min_p > 0.0:
-        probs = torch.softmax(scaled.masked_fill(~torch.tensor(keep), float("-inf")), -1).tolist()
-        top_prob = max(probs)
-        keep = [k and p >= params.min_p * top_prob for k, p in zip(keep, probs)]
-    return torch.tensor(keep)
-
-
-def reference_sample_row(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    prompt_token_ids: Sequence[int],
-    output_token_ids: Sequence[int],
-    stop_token_ids_to_mask: Sequence[int] = (),
-    noise: torch.Tensor | None = None,
-) -> int:
-    """Sample one token for one row. logits: [V]; noise: [V] Exponential(1) draws (the q of
-    the exponential race), required unless the row is greedy."""
-    logits = logits.to(torch.float32).clone()
-    for t in stop_token_ids_to_mask:
-        logits[t] = float("-inf")
-    logits = reference_apply_penalties_row(logits, params, prompt_token_ids, output_token_ids)
-    if params.temperature < SAMPLING_EPS:
-        return int(logits.argmax())
-    if noise is None:
-        raise ValueError("noise is required for a random row")
-    keep = reference_filter_row(logits, params)
-    scaled = (logits / params.temperature).masked_fill(~keep, float("-inf"))
-    return int((torch.softmax(scaled, -1) / noise).argmax())

@@ -41,6 +41,8 @@ class SamplingMetadata:
     stop_token_ids_to_mask: row -> token ids forced to -inf because the row has produced
         fewer than ``min_tokens`` tokens.
     max_num_logprobs: the largest ``logprobs`` of any row, ``None`` when no row asks.
+    logit_bias: (rows [N] int64, token ids [N] int64, biases [N] fp32) of every row's
+        ``logit_bias`` entries, ``None`` when no row has one.
     """
 
     temperature: torch.Tensor
@@ -57,6 +59,7 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None
     stop_token_ids_to_mask: dict[int, list[int]]
     max_num_logprobs: int | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -142,7 +145,25 @@ class SamplingMetadata:
                 params_list, output_token_ids, eos_token_ids, vocab_size
             ),
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+            logit_bias=_logit_bias(params_list, device),
         )
+
+
+def _logit_bias(params_list: Sequence[SamplingParams], device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    ids: list[int] = []
+    biases: list[float] = []
+    for row, params in enumerate(params_list):
+        for token_id, bias in (params.logit_bias or {}).items():
+            rows.append(row)
+            ids.append(token_id)
+            biases.append(bias)
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
 
 
 def _pad_rows(
