@@ -336,6 +336,8 @@ def test_forward_matches_reference_sample_row():
         SamplingParams(temperature=0.0, presence_penalty=1.5),
         SamplingParams(temperature=1.0, min_p=0.2, seed=3, min_tokens=4, stop_token_ids=[5]),
         SamplingParams(temperature=0.5, top_k=12, top_p=0.6, min_p=0.1, seed=4),
+        SamplingParams(temperature=0.9, seed=5, logit_bias={7: 2.5, 9: -100.0}),
+        SamplingParams(temperature=0.0, logit_bias={11: 100.0}, repetition_penalty=1.2),
     ]
     prompts = [random_ids(gen, vocab_size, 6) for _ in params]
     outputs = [random_ids(gen, vocab_size, 3) for _ in params]
@@ -359,6 +361,31 @@ def test_forward_matches_reference_sample_row():
         ]
         assert got == expected
         assert got[3] != 5
+        assert got[6] == 11 and got[5] != 9
+
+
+def test_logit_bias_bans_and_forces_tokens_in_greedy_batches():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]] * 3)
+    params = [SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias={1: -100.0}),
+              SamplingParams(temperature=0.0, logit_bias={0: 100.0})]
+    md = build(params, vocab_size=4)
+    assert sample(logits.clone(), md).sampled_token_ids.tolist() == [1, 3, 0]
+
+
+def test_min_tokens_never_masks_a_rows_last_allowed_tokens():
+    """A grammar that admits only EOS (the rest already -inf) wins over min_tokens; a row with
+    other tokens left still has its stop ids masked."""
+    eos = 2
+    logits = torch.full((2, 5), float("-inf"))
+    logits[0, eos] = 0.0
+    logits[1, eos], logits[1, 4] = 3.0, 1.0
+    params = [SamplingParams(temperature=0.0, min_tokens=3)] * 2
+    md = build(params, vocab_size=5, eos=[[eos], [eos]])
+    assert md.stop_token_ids_to_mask == {0: [eos], 1: [eos]}
+    assert sample(logits.clone(), md).sampled_token_ids.tolist() == [eos, 4]
+    for row in range(2):
+        assert reference_sample_row(logits[row], params[row], [], [], [eos]) == [eos, 4][row]
 
 
 def test_temperature_sampling_frequencies_follow_softmax():

@@ -26,6 +26,12 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # "json_object": any JSON object; not strict, so its keys are free (strict mode would
 # default additionalProperties to false and allow only {}).
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar 0.2.9 writes the characters of a length-bounded JSON string (maxLength) as
+# "anything but quote, backslash, CR, LF", which lets raw control characters through: JSON
+# forbids those unescaped and json.loads rejects them. Its unbounded strings exclude them;
+# the same exclusion is added here to the EBNF the schema converts to.
+_LAX_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 
 
 def _clean(err: Exception) -> str:
@@ -47,8 +53,11 @@ def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _json_options(params: StructuredOutputsParams, server_compact: bool) -> dict[str, Any]:
-    return {"any_whitespace": not (params.disable_any_whitespace or server_compact)}
+def json_schema_ebnf(schema: str, any_whitespace: bool, strict_mode: bool = True) -> str:
+    """The EBNF grammar of a JSON schema, its strings limited to JSON's characters."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace,
+                                           strict_mode=strict_mode)
+    return str(grammar).replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _describe(params: StructuredOutputsParams) -> str:
@@ -89,15 +98,14 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         kind, c = params.kind, self.compiler
+        any_whitespace = not (params.disable_any_whitespace or self.disable_any_whitespace)
         try:
             if kind == "json":
-                compiled = c.compile_json_schema(
-                    _schema_text(params.json),
-                    **_json_options(params, self.disable_any_whitespace))
+                compiled = c.compile_grammar(json_schema_ebnf(_schema_text(params.json),
+                                                              any_whitespace))
             elif kind == "json_object":
-                compiled = c.compile_json_schema(
-                    _ANY_OBJECT_SCHEMA, strict_mode=False,
-                    **_json_options(params, self.disable_any_whitespace))
+                compiled = c.compile_grammar(json_schema_ebnf(_ANY_OBJECT_SCHEMA, any_whitespace,
+                                                              strict_mode=False))
             elif kind == "regex":
                 compiled = c.compile_regex(params.regex)
             elif kind == "choice":
