@@ -52,7 +52,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """What to run. ``model`` is a folder, a .gguf file, or a ``preset:`` name (already resolved
-    to a path by the time this is built; ``served_name`` keeps what the user typed)."""
+    to a path by the time this is built; ``served_name`` keeps what the user typed, or the
+    first --served-model-name; ``extra_served_names`` are the others the API answers to)."""
 
     model: str
     served_name: str
@@ -61,6 +62,12 @@ class ModelConfig:
     max_model_len: int
     tokenizer: str
     seed: int = 0
+    extra_served_names: tuple[str, ...] = ()
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every name the API answers to, the reported one first."""
+        return [self.served_name, *self.extra_served_names]
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:

@@ -15,11 +15,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from widellm.bench.datasets import random_token_prompts
+from widellm.bench.serve_args import add_cli_args
 from widellm.bench.serve import (
     CHAT_ENDPOINT,
     RequestSettings,
     SampleRequest,
-    add_cli_args,
     arrival_offsets,
     benchmark,
     build_samples,

@@ -73,6 +73,8 @@ class RequestSettings:
     output_len: int
     temperature: float = 0.0
     api_key: str | None = None
+    # A JSON schema every request's output must follow (response_format), or None.
+    json_schema: dict | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -80,47 +82,6 @@ class RequestSettings:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``widellm bench serve`` (named as in ``vllm bench serve``)."""
-    parser.add_argument("--base-url", type=str, default=DEFAULT_BASE_URL,
-                        help="server root, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--endpoint", type=str, default=COMPLETIONS_ENDPOINT,
-                        help=f"{COMPLETIONS_ENDPOINT} (token-id prompts) or {CHAT_ENDPOINT} "
-                             "(prompts decoded to text)")
-    parser.add_argument("--model", type=str, default=None,
-                        help=f"model name sent in requests; default: the first of "
-                             f"{MODELS_ENDPOINT}")
-    parser.add_argument("--tokenizer", type=str, default=None,
-                        help="local tokenizer folder or .gguf file: gives the vocabulary size "
-                             "and decodes chat prompts (default: --model if it is a path)")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="draw prompt ids below this (default: the tokenizer's size)")
-    parser.add_argument("--dataset", type=str, default="random", choices=["random"])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="requests per second, Poisson arrivals; inf sends all at once")
-    parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="at most this many requests in flight")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seeds the prompts and the arrival times")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--api-key", type=str, default=os.environ.get(API_KEY_ENV),
-                        help=f"bearer token (default: ${API_KEY_ENV})")
-    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
-                        help="seconds before one request is abandoned")
-    parser.add_argument("--ready-check-timeout-sec", type=float,
-                        default=DEFAULT_READY_CHECK_TIMEOUT_S,
-                        help="send one untimed prompt first, retrying while the server does "
-                             "not listen, for at most this long (0: skip the check)")
-    parser.add_argument("--num-warmups", type=int, default=0,
-                        help="untimed requests sent at --max-concurrency before the run")
-    parser.add_argument("--output-json", type=str, default=None,
-                        help="write the summary and every request's record here")
-    parser.add_argument("--disable-tqdm", action="store_true")
 
 
 def build_payload(settings: RequestSettings, sample: SampleRequest) -> dict:
@@ -141,6 +102,9 @@ def build_payload(settings: RequestSettings, sample: SampleRequest) -> dict:
         payload["max_completion_tokens"] = settings.output_len
     else:
         payload["prompt"] = sample.prompt
+    if settings.json_schema is not None:
+        payload["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "bench", "schema": settings.json_schema}}
     return payload
 
 
@@ -349,6 +313,7 @@ def main(args: argparse.Namespace) -> dict:
     settings = RequestSettings(
         api_url=args.base_url.rstrip("/") + args.endpoint, model=model,
         output_len=args.output_len, temperature=args.temperature, api_key=args.api_key,
+        json_schema=args.json_schema,
     )
     samples = build_samples(args, settings.is_chat, num_untimed=1 + args.num_warmups)
     samples, test_sample, warmups = (samples[:args.num_prompts], samples[args.num_prompts],
@@ -397,6 +362,8 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def _cli() -> None:
+    from widellm.bench.serve_args import add_cli_args
+
     parser = argparse.ArgumentParser(prog="python -m widellm.bench.serve",
                                      description=__doc__.splitlines()[0])
     add_cli_args(parser)

@@ -17,6 +17,7 @@ from widellm.device import on_cuda
 from widellm.kv_transfer.config import KVTransferConfig
 from widellm.kv_transfer.registry import check_connector_name
 from widellm.model.loader import load_hf_config, resolve_model_path
+from widellm.model.default_model import DEFAULT_MODEL_NAME
 
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
@@ -46,7 +47,9 @@ class EngineArgs:
     model: str | None = field(default=None, metadata={"help": "model folder, .gguf file or "
                               "preset:NAME (default: SmolLM2-135M-Instruct)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer folder or .gguf"})
-    served_model_name: str | None = field(default=None, metadata={"help": "name in the API"})
+    served_model_name: str | list[str] | None = field(default=None, metadata={
+        "help": "the model's names in the API: the first is the one responses report, a "
+                "request may use any (default: --model)", "nargs": "+"})
     dtype: str = field(default="auto", metadata={
         "help": "auto (bfloat16 where the CPU has bf16 matmul units, else float32), bfloat16, "
                 "float32"})
@@ -154,6 +157,17 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
+    def served_model_names(self) -> list[str]:
+        """--served-model-name as a list (one name or several), default the model as typed."""
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = [names]
+        if not names:
+            return [self.model or DEFAULT_MODEL_NAME]
+        if len(set(names)) != len(names):
+            raise ValueError(f"served_model_name: names repeat: {names}")
+        return list(names)
+
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model_path(self.model)
         hf_config = load_hf_config(path)
@@ -166,12 +180,14 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's "
                 f"max_position_embeddings={model_max}"
             )
+        served_names = self.served_model_names()
         kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
         if kv_transfer_config is not None:
             check_connector_name(kv_transfer_config)
         model_config = ModelConfig(
             model=path,
-            served_name=self.served_model_name or self.model or "SmolLM2-135M-Instruct",
+            served_name=served_names[0],
+            extra_served_names=tuple(served_names[1:]),
             hf_config=hf_config,
             dtype=resolve_dtype(self.dtype),
             max_model_len=max_model_len,

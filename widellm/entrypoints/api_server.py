@@ -2,9 +2,10 @@
 runs in its own process), served by uvicorn.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
-POST /detokenize (behind --api-key when it is set), and GET /health, /version, /metrics (always
-open, for load balancers and scrapers). Every error is ``{"error": {...}}`` with a 4xx for bad
-input, so no request can take the server down.
+POST /detokenize, GET /tokenizer_info with --enable-tokenizer-info-endpoint (behind --api-key
+when it is set), and GET /health, /version, /metrics (always open, for load balancers and
+scrapers). Every error is ``{"error": {...}}`` with a 4xx for bad input, so no request can take
+the server down.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ import widellm
 from widellm.engine.arg_utils import EngineArgs
 from widellm.engine.async_llm import AsyncLLM, EngineDrainingError
 from widellm.engine.core_client import EngineDeadError
+from widellm.engine.generation_config import default_sampling_params
 from widellm.entrypoints.body_limit import BodySizeLimitMiddleware
+from widellm.entrypoints.chat_template import load_chat_template
 from widellm.entrypoints.drain import DrainingServer
 from widellm.entrypoints.errors import APIError, param_of, to_api_error
 from widellm.entrypoints.protocol import (
     CompletionRequest, DetokenizeRequest, ModelCard, ModelList, VersionResponse,
 )
 from widellm.entrypoints.protocol_chat import ChatCompletionRequest, TokenizeRequest
+from widellm.entrypoints.server_args import check_server_args
 from widellm.entrypoints.serving_base import tokenizer_executor
 from widellm.entrypoints.serving_chat import OpenAIServingChat
 from widellm.entrypoints.serving_completion import OpenAIServingCompletion
@@ -132,14 +136,30 @@ def add_guarded_docs(router: APIRouter, app: FastAPI) -> None:
         return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
 
+def serving_options(engine: AsyncLLM, args: argparse.Namespace) -> dict:
+    """What every endpoint shares from the flags: the chat template, the logprobs cap and the
+    generation-config defaults (logged, as vLLM does: they change answers)."""
+    defaults = default_sampling_params(args.generation_config, engine.model_config.model,
+                                       args.override_generation_config)
+    if defaults:
+        logger.info("default sampling parameters (generation config; a request's own values "
+                    "win; --generation-config vllm ignores them): %s", defaults)
+    return dict(trust_request_chat_template=args.trust_request_chat_template,
+                max_logprobs=args.max_logprobs, default_sampling_params=defaults,
+                chat_template=load_chat_template(args.chat_template))
+
+
 def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     """The app for ``engine``; ``args`` gives ``api_key``, ``max_n``,
-    ``max_request_body_bytes`` and ``trust_request_chat_template``."""
-    served = [engine.model_config.served_name]
+    ``max_request_body_bytes``, ``enable_tokenizer_info_endpoint`` and what
+    ``serving_options`` reads."""
+    served = engine.model_config.served_names
     pool = tokenizer_executor()
-    options = dict(executor=pool, trust_request_chat_template=args.trust_request_chat_template)
+    options = dict(executor=pool, **serving_options(engine, args))
     completion = OpenAIServingCompletion(engine, served, args.max_n, **options)
-    chat = OpenAIServingChat(engine, served, args.max_n, **options)
+    chat = OpenAIServingChat(engine, served, args.max_n, **options,
+                             enable_auto_tool_choice=args.enable_auto_tool_choice,
+                             tool_call_parser=args.tool_call_parser)
     tokenization = OpenAIServingTokenization(engine, served, args.max_n, **options)
 
     @contextlib.asynccontextmanager
@@ -213,6 +233,11 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     async def detokenize(request: DetokenizeRequest) -> Response:
         return JSONResponse((await tokenization.detokenize(request)).model_dump())
 
+    if args.enable_tokenizer_info_endpoint:  # off by default, as vLLM: it shows the template
+        @api.get("/tokenizer_info")
+        async def tokenizer_info() -> Response:
+            return JSONResponse(tokenization.tokenizer_info())
+
     app.include_router(public)
     app.include_router(api)
     return app
@@ -254,12 +279,18 @@ def run_server(args: argparse.Namespace) -> None:
     The port is bound first so that a taken port fails at once, not after the model loads,
     and so that no ephemeral port the engine opens meanwhile (ZMQ, gloo) can take it.
     """
+    check_server_args(args)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sock = bind_or_exit(args.host, args.port)
     with sock:
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        try:
+            app = build_app(engine, args)
+        except BaseException:  # a bad frontend flag: the engine cores must not outlive us
+            engine.shutdown()
+            raise
         config = uvicorn.Config(
-            build_app(engine, args), log_level=args.uvicorn_log_level,
+            app, log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
         )
         server = DrainingServer(config, engine, args.shutdown_timeout)

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_args(tp)
     tp.set_defaults(func=cmd_bench_throughput)
     sv = bench_sub.add_parser("serve", help="load an OpenAI-compatible server over HTTP")
-    from widellm.bench.serve import add_cli_args as add_serve_args
+    from widellm.bench.serve_args import add_cli_args as add_serve_args
 
     add_serve_args(sv)
     sv.set_defaults(func=cmd_bench_serve)

@@ -31,8 +31,9 @@ ERROR_TYPES = {
 }
 
 # Validation messages in widellm start with the parameter they are about: "temperature must
-# be >= 0, ...", "prompt: 600 tokens is longer than ...".
-_PARAM_RE = re.compile(r"^([a-z_][a-z0-9_]*)(?=:| must )")
+# be >= 0, ...", "prompt: 600 tokens is longer than ...", or a path into one:
+# "messages[0].content[1].type: ...".
+_PARAM_RE = re.compile(r"^([a-z_][a-z0-9_]*(?:\[\d+\](?:\.[a-z_][a-z0-9_]*)?)*)(?=:| must )")
 
 
 def error_type(status: int) -> str:

@@ -2,14 +2,16 @@
 users send through ``extra_body`` (``top_k``, ``min_p``, ``ignore_eos``, ``min_tokens``, ...).
 
 Requests check types and shapes only; value ranges are checked once, by ``SamplingParams``,
-whose ValueError messages name the parameter. Unknown fields are ignored, as OpenAI-compatible
-servers commonly do, so clients that send newer options keep working.
+whose ValueError messages name the parameter. A field that would change the answer but is not
+supported is a 400 naming it (``request_fields``); other unknown fields are ignored, as
+OpenAI-compatible servers commonly do, so clients that send newer options keep working.
 """
 
 from __future__ import annotations
 
 import time
 from itertools import chain
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -18,10 +20,14 @@ from pydantic import (
 )
 
 from widellm.entrypoints.input_checks import check_json_values
+from widellm.entrypoints.protocol_structured import StructuredOutputFields
+from widellm.entrypoints.request_fields import check_completion_request
+from widellm.outputs import PromptLogprobs
 from widellm.sampling_params import SamplingParams
 
-# OpenAI's limit for chat ``top_logprobs``; applied to completions' ``logprobs`` as well so a
-# request cannot ask for a top-k over the whole vocabulary.
+# The default of --max-logprobs (vLLM's, and OpenAI's limit for chat ``top_logprobs``): the
+# most top-N logprobs a request may ask for, per sampled or prompt token, so that no request
+# asks for a top-k over the whole vocabulary.
 MAX_LOGPROBS = 20
 # OpenAI's default for /v1/completions; chat defaults to "until the context is full".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -96,11 +102,13 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(RequestModel):
+class SamplingRequest(RequestModel, StructuredOutputFields):
     """Fields completions and chat share. ``None`` means "the SamplingParams default"."""
 
     model: str | None = None
     n: int = 1
+    # OpenAI's: token id (a JSON object key) -> bias in [-100, 100] added to its logit.
+    logit_bias: dict[str, float] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -118,6 +126,9 @@ class SamplingRequest(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
+    # vLLM's field: the top-N logprobs of every prompt token (the first, which nothing
+    # predicts, has none), returned as ``prompt_logprobs``.
+    prompt_logprobs: int | None = None
     # vLLM's field: requests with different salts never share prefix-cache blocks (tenant
     # isolation); the same salt shares; none shares with every other unsalted request.
     cache_salt: StrictStr | None = None
@@ -137,13 +148,43 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, **extra: Any) -> SamplingParams:
-        """Raises ValueError naming the parameter for out-of-range values."""
+    def _check_prompt_logprobs(self, max_logprobs: int) -> None:
+        if self.prompt_logprobs is None:
+            return
+        if self.stream:  # as vLLM: a stream has no place for them
+            raise ValueError("prompt_logprobs: not available with stream=true")
+        check_max_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
+
+    def _sampling_params(self, default_sampling_params: Mapping[str, Any] | None = None,
+                         **extra: Any) -> SamplingParams:
+        """Raises ValueError naming the parameter for out-of-range values. Fields the request
+        leaves unset take ``default_sampling_params`` (the model's generation config) first,
+        then SamplingParams' defaults; ``max_tokens`` comes in ``extra``."""
         kwargs = {k: getattr(self, k) for k in SAMPLING_FIELDS}
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        for name, value in (default_sampling_params or {}).items():
+            if name in SAMPLING_FIELDS:
+                kwargs.setdefault(name, value)
         if self.kv_transfer_params is not None:
             extra["extra_args"] = {"kv_transfer_params": self.kv_transfer_params}
-        return SamplingParams(**kwargs, **extra)
+        extra.setdefault("structured_outputs", self.structured_outputs_params())
+        return SamplingParams(**kwargs, **extra, logit_bias=self._logit_bias_ids())
+
+    def _logit_bias_ids(self) -> dict[int, float] | None:
+        """OpenAI's logit_bias maps token ids, written as JSON object keys, to biases."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            bad = next(t for t in self.logit_bias if not t.strip().lstrip("-").isdigit())
+            raise ValueError(f"logit_bias: keys must be token ids, got {bad!r}") from None
+
+
+def check_max_logprobs(name: str, value: int | None, max_logprobs: int) -> None:
+    """The server-wide cap (--max-logprobs) on one top-N logprobs field."""
+    if value is not None and value > max_logprobs:
+        raise ValueError(f"{name} must be <= {max_logprobs}, got {value}")
 
 
 class CompletionRequest(SamplingRequest):
@@ -151,6 +192,12 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_silent_ignores(cls, data: Any) -> Any:
+        check_completion_request(data)
+        return data
 
     @model_validator(mode="after")
     def _non_empty_prompt(self) -> CompletionRequest:
@@ -169,12 +216,32 @@ class CompletionRequest(SamplingRequest):
             return [p]
         return list(p)
 
-    def to_sampling_params(self) -> SamplingParams:
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
-        # Echo with logprobs returns the prompt's logprobs too, in the same top-N format.
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._sampling_params(max_tokens=self.max_tokens, logprobs=self.logprobs,
+    def _max_tokens(self, default_sampling_params: Mapping[str, Any]) -> int | None:
+        """The request's max_tokens; unset or null: the generation config's, else OpenAI's
+        default when unset and "until the context is full" when null."""
+        sent = "max_tokens" in self.model_fields_set
+        if sent and self.max_tokens is not None:
+            return self.max_tokens
+        if "max_tokens" in default_sampling_params:
+            return default_sampling_params["max_tokens"]
+        return None if sent else DEFAULT_COMPLETION_MAX_TOKENS
+
+    def to_sampling_params(self, max_logprobs: int = MAX_LOGPROBS,
+                           default_sampling_params: Mapping[str, Any] | None = None
+                           ) -> SamplingParams:
+        defaults = default_sampling_params or {}
+        check_max_logprobs("logprobs", self.logprobs, max_logprobs)
+        self._check_prompt_logprobs(max_logprobs)
+        max_tokens = self._max_tokens(defaults)
+        if max_tokens == 0 and not self.echo:  # with echo, 0 returns the prompt only
+            raise ValueError("max_tokens must be >= 1, got 0")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            # Echo with logprobs returns the prompt's logprobs too, in the same top-N format.
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        if max_tokens == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0  # the engine computes a prompt only for its logprobs
+        return self._sampling_params(defaults, max_tokens=max_tokens, logprobs=self.logprobs,
                                      prompt_logprobs=prompt_logprobs)
 
 
@@ -189,6 +256,35 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+
+class PromptLogprob(OpenAIBaseModel):
+    """One token's entry in ``prompt_logprobs`` (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (None for the first): token id -> its entry, the prompt's token and the
+# top-N; JSON writes the ids as string keys, as vLLM's response does.
+PromptLogprobsResponse = list[dict[int, PromptLogprob] | None]
+
+
+def prompt_logprobs_response(token_ids: list[int], logprobs: PromptLogprobs,
+                             num_top: int) -> PromptLogprobsResponse:
+    """The engine's prompt logprobs as returned: per position the prompt's token and the
+    ``num_top`` likeliest (the engine may hold more when echo asked for a larger top-N)."""
+    result: PromptLogprobsResponse = []
+    for token_id, position in zip(token_ids, logprobs):
+        if position is None:
+            result.append(None)
+            continue
+        result.append({
+            tid: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+            for tid, lp in position.items()
+            if tid == token_id or (lp.rank is not None and lp.rank <= num_top)})
+    return result
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -206,6 +302,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsResponse | None = None
 
 
 class _CompletionBody(OpenAIBaseModel):

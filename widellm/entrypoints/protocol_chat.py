@@ -4,14 +4,22 @@ Shared fields and the completions shapes live in ``protocol``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import Field, StrictStr, model_serializer, model_validator
 
 from widellm.entrypoints.protocol import (
-    MAX_LOGPROBS, OpenAIBaseModel, RequestModel, SamplingRequest, UsageInfo, _now,
+    MAX_LOGPROBS, OpenAIBaseModel, PromptLogprobsResponse, RequestModel, SamplingRequest,
+    UsageInfo, _now,
 )
+from widellm.entrypoints.protocol_tools import (
+    ChatCompletionTool, DeltaToolCall, ToolCall, ToolChoice, check_tool_choice,
+)
+from widellm.entrypoints.request_fields import check_chat_request
 from widellm.sampling_params import SamplingParams
+
+ASSISTANT_ROLE = "assistant"
 
 
 class TextContentPart(OpenAIBaseModel):
@@ -23,15 +31,22 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content is one string."""
+        """The message as chat templates expect it: content is one string, and tool call
+        arguments are objects (Qwen's and Llama's templates write them with ``tojson``)."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.to_template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -43,6 +58,18 @@ class ChatTemplateFields(RequestModel):
     # vLLM's field: a Jinja template used instead of the model's. A template is code, so the
     # server renders one only when started with --trust-request-chat-template.
     chat_template: StrictStr | None = None
+    # vLLM's field: render the last message (the assistant's) open, without a generation
+    # prompt, so the model continues its text ("prefill" the answer).
+    continue_final_message: bool = False
+    # The functions the model may call, for the template to describe to it.
+    tools: list[ChatCompletionTool] | None = None
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self) -> ChatTemplateFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true together with "
+                             "add_generation_prompt (send add_generation_prompt: false)")
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
@@ -51,6 +78,22 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # As vLLM: handed to the chat template (reasoning models' templates read it).
+    reasoning_effort: StrictStr | None = None
+    # None: "auto" where the server enables it (--enable-auto-tool-choice), else "none".
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_silent_ignores(cls, data: Any) -> Any:
+        check_chat_request(data)
+        return data
+
+    @model_validator(mode="after")
+    def _tool_choice_in_tools(self) -> ChatCompletionRequest:
+        check_tool_choice(self.tools, self.tool_choice)
+        return self
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -59,15 +102,23 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, max_logprobs: int = MAX_LOGPROBS,
+                           default_sampling_params: Mapping[str, Any] | None = None
+                           ) -> SamplingParams:
         top = self.top_logprobs
         if top is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs=true")
-        if top is not None and not 0 <= top <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}")
+        if top is not None and not 0 <= top <= max_logprobs:
+            raise ValueError(f"top_logprobs must be in [0, {max_logprobs}], got {top}")
+        self._check_prompt_logprobs(max_logprobs)
         logprobs = (top or 0) if self.logprobs else None
+        defaults = default_sampling_params or {}
+        max_tokens = self.effective_max_tokens
+        if max_tokens is None:  # unset: the generation config's, else until the context is full
+            max_tokens = defaults.get("max_tokens")
         try:
-            return self._sampling_params(max_tokens=self.effective_max_tokens, logprobs=logprobs)
+            return self._sampling_params(defaults, max_tokens=max_tokens, logprobs=logprobs,
+                                         prompt_logprobs=self.prompt_logprobs)
         except ValueError as e:
             # Name the field the client actually sent.
             if self.max_completion_tokens is not None and str(e).startswith("max_tokens"):
@@ -108,6 +159,15 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatCompletionMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_when_made(self, handler):
+        # As OpenAI: tool_calls appear only when there are some; content stays (null then).
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -125,6 +185,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
+    # vLLM's field: the prompt's logprobs when the request asked for prompt_logprobs.
+    prompt_logprobs: PromptLogprobsResponse | None = None
     # A prefill instance's answer for the decode instance (disaggregated prefill/decode).
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -132,6 +194,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from widellm.engine.generation_config import GENERATION_CONFIG_AUTO, GENERATION_CONFIG_IGNORE
+from widellm.entrypoints.protocol import MAX_LOGPROBS
+from widellm.entrypoints.tool_parsers import TOOL_PARSERS
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 # Largest ``n`` one request may ask for: each sample is a sequence in the batch.
@@ -34,11 +38,25 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return number
+
+
 def _seconds(value: str) -> float:
     number = float(value)
     if not number >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
     return number
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """Flag combinations that cannot work, refused before the model loads (ValueError)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (one of "
+                         f"{', '.join(TOOL_PARSERS)})")
 
 
 def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +78,33 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="render a chat_template sent in a request (top level or in "
                              "chat_template_kwargs); without it such requests get a 400, "
                              "since a template is code that can run for minutes")
+    parser.add_argument("--chat-template", type=str, default=None,
+                        help="the chat template to render chats with instead of the model's: "
+                             "a file, or the Jinja template itself")
+    parser.add_argument("--max-logprobs", type=_non_negative_int, default=MAX_LOGPROBS,
+                        help="the most top-N logprobs a request may ask for (logprobs, "
+                             "top_logprobs, prompt_logprobs); more is a 400 "
+                             "(default %(default)s)")
+    parser.add_argument("--generation-config", type=str, default=GENERATION_CONFIG_AUTO,
+                        help=f"sampling defaults for fields a request leaves unset: "
+                             f"{GENERATION_CONFIG_AUTO} (the model folder's "
+                             f"generation_config.json), {GENERATION_CONFIG_IGNORE} (none: the "
+                             f"API's defaults), or a folder holding a generation_config.json")
+    parser.add_argument("--override-generation-config", type=str, default=None,
+                        help='JSON overriding generation-config defaults, in its key names, '
+                             'e.g. \'{"temperature": 0.5, "max_new_tokens": 128}\'')
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info (the tokenizer's configuration and "
+                             "chat template), for clients that tokenize through the server "
+                             "(lm-evaluation-harness's remote tokenizer)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let requests use tool_choice "auto" (the default when they send '
+                             'tools): calls are found in the model\'s output by '
+                             '--tool-call-parser, which this needs')
+    parser.add_argument("--tool-call-parser", type=str, default=None,
+                        choices=list(TOOL_PARSERS),
+                        help="the format the served model writes tool calls in (hermes: "
+                             "Qwen and Hermes models; llama3_json: Llama 3.1+; deepseek_v3)")
     parser.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="seconds running requests get to finish after SIGTERM before "
                              "they are ended with an error (default %(default)s)")

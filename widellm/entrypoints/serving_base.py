@@ -14,7 +14,7 @@ import asyncio
 import functools
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
@@ -24,7 +24,9 @@ from starlette.requests import Request
 
 from widellm.engine.async_llm import AsyncLLM
 from widellm.entrypoints.errors import APIError
-from widellm.entrypoints.protocol_chat import ChatMessage, ChatTemplateFields
+from widellm.entrypoints.protocol import MAX_LOGPROBS
+from widellm.entrypoints.protocol_chat import ASSISTANT_ROLE, ChatMessage, ChatTemplateFields
+from widellm.entrypoints.protocol_tools import ChatCompletionTool
 from widellm.sampling_params import SamplingParams
 
 
@@ -34,6 +36,7 @@ MAX_TOKENIZER_THREADS = 4
 # The header that pins a request to one data-parallel rank (vLLM's name), for routers that
 # place requests themselves (prefix-aware, disaggregated) and for tests.
 DATA_PARALLEL_RANK_HEADER = "X-data-parallel-rank"
+# The role whose message continue_final_message continues.
 
 
 def random_uuid() -> str:
@@ -48,7 +51,10 @@ def tokenizer_executor() -> ThreadPoolExecutor:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_n: int, *,
-                 executor: Executor, trust_request_chat_template: bool = False) -> None:
+                 executor: Executor, trust_request_chat_template: bool = False,
+                 max_logprobs: int = MAX_LOGPROBS,
+                 default_sampling_params: Mapping[str, Any] | None = None,
+                 chat_template: str | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_n = max_n
@@ -56,6 +62,10 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.executor = executor  # the app's, shared by its endpoints
         self.trust_request_chat_template = trust_request_chat_template
+        self.max_logprobs = max_logprobs  # --max-logprobs
+        # The model's generation-config defaults for fields a request leaves unset.
+        self.default_sampling_params = dict(default_sampling_params or {})
+        self.chat_template = chat_template  # --chat-template: instead of the model's
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the executor, off the event loop; its exceptions propagate."""
@@ -107,9 +117,12 @@ class OpenAIServing:
 
     def sampling_params(self, request: Any) -> SamplingParams:
         try:
-            return request.to_sampling_params()
+            params = request.to_sampling_params(self.max_logprobs,
+                                                self.default_sampling_params)
+            self.engine.processor.validate_params(params, request.structured_outputs_source())
         except ValueError as e:
             raise APIError.from_value_error(e) from None
+        return params
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None,
                      prompt_param: str, max_tokens_param: str = "max_tokens") -> None:
@@ -184,22 +197,43 @@ class OpenAIServing:
     async def chat_prompt_ids(self, request: ChatTemplateFields, validate: bool) -> list[int]:
         """A chat request's messages as token ids, rendered and tokenized in the executor;
         ``validate``: also checked as a prompt (in vocabulary, within max_model_len)."""
-        template = self.request_chat_template(request)
+        template = self.request_chat_template(request) or self.chat_template
         kwargs = {k: v for k, v in (request.chat_template_kwargs or {}).items()
                   if k != "chat_template"}
+        reasoning_effort = getattr(request, "reasoning_effort", None)
+        if reasoning_effort is not None:  # as vLLM: the template decides what it means
+            kwargs.setdefault("reasoning_effort", reasoning_effort)
+        if request.continue_final_message:
+            self.check_continuable(request.messages)
 
         def render() -> list[int]:
             ids = self.chat_token_ids(request.messages, request.add_generation_prompt, kwargs,
-                                      template)
+                                      template, request.continue_final_message, request.tools)
             return self.tokenize_prompt(ids, "messages")[1] if validate else ids
 
         return await self.run_blocking(render)
 
+    @staticmethod
+    def check_continuable(messages: list[ChatMessage]) -> None:
+        """continue_final_message continues an answer: the last message must be one."""
+        if not messages:
+            raise APIError("continue_final_message: there is no message to continue",
+                           HTTPStatus.BAD_REQUEST, "continue_final_message")
+        role = messages[-1].role
+        if role != ASSISTANT_ROLE:
+            raise APIError(f"continue_final_message: the last message must be the "
+                           f"{ASSISTANT_ROLE}'s, got role {role!r}", HTTPStatus.BAD_REQUEST,
+                           "continue_final_message")
+
     def chat_token_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                        chat_template_kwargs: dict[str, Any] | None,
-                       chat_template: str | None = None) -> list[int]:
-        """Messages rendered by ``chat_template`` (default: the model's), as token ids. The
-        rendered text is checked for length before it is tokenized."""
+                       chat_template: str | None = None,
+                       continue_final_message: bool = False,
+                       tools: list[ChatCompletionTool] | None = None) -> list[int]:
+        """Messages rendered by ``chat_template`` (default: the model's), as token ids; with
+        ``continue_final_message`` the last message is left open (no end-of-turn), so the
+        model goes on with its text. The rendered text is checked for length before it is
+        tokenized."""
         if self.tokenizer is None or not (
                 chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise APIError("messages: this model has no chat template; use /v1/completions",
@@ -208,6 +242,8 @@ class OpenAIServing:
             text = self.tokenizer.apply_chat_template(
                 [m.to_template_dict() for m in messages], chat_template=chat_template,
                 tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
                 **(chat_template_kwargs or {}),
             )
         except (TemplateError, ValueError, TypeError) as e:

@@ -1,5 +1,6 @@
 """POST /v1/completions: one engine request per prompt, ``n`` choices each (choice index =
-prompt index * n + sample index), streamed as SSE chunks or returned whole."""
+prompt index * n + sample index), streamed as SSE chunks or returned whole. ``echo`` with
+``max_tokens: 0`` computes the prompt only: the answer is the prompt (with its logprobs)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from starlette.responses import Response
 from widellm.entrypoints.errors import APIError
 from widellm.entrypoints.protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionStreamResponse, UsageInfo,
+    CompletionStreamResponse, UsageInfo, prompt_logprobs_response,
 )
 from widellm.entrypoints.serving_base import OpenAIServing, random_uuid
 from widellm.entrypoints.streaming import (
@@ -138,11 +139,16 @@ class _CompletionRun:
         state.num_tokens += len(sample.token_ids)
         text = sample.text
         logprobs = None
+        prompt_logprobs = None
         want_logprobs = self.request.logprobs is not None
         if want_logprobs:
             logprobs = CompletionLogProbs()
         if not state.started:
             state.started = True
+            if self.request.prompt_logprobs is not None:  # complete once a sample has output
+                prompt_logprobs = prompt_logprobs_response(
+                    output.prompt_token_ids, output.prompt_logprobs or [],
+                    self.request.prompt_logprobs)
             if self.request.echo:
                 prompt_text = self._prompt_text(prompt_index)
                 if want_logprobs:
@@ -164,7 +170,8 @@ class _CompletionRun:
             return None
         return CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
                                         finish_reason=sample.finish_reason,
-                                        stop_reason=sample.stop_reason)
+                                        stop_reason=sample.stop_reason,
+                                        prompt_logprobs=prompt_logprobs)
 
     def usage(self) -> UsageInfo:
         prompt_tokens = sum(len(ids) for _, ids in self.prompts)

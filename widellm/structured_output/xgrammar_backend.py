@@ -32,6 +32,10 @@ _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 # the same exclusion is added here to the EBNF the schema converts to.
 _LAX_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+# Most whitespace characters allowed in a row between two JSON tokens: room for a newline and
+# deeply nested indentation, but a small model sampling from a JSON grammar can no longer
+# spend its whole budget on blank lines (the output would end truncated, invalid).
+MAX_WHITESPACE_RUN = 32
 
 
 def _clean(err: Exception) -> str:
@@ -56,7 +60,8 @@ def _choice_ebnf(choices: list[str]) -> str:
 def json_schema_ebnf(schema: str, any_whitespace: bool, strict_mode: bool = True) -> str:
     """The EBNF grammar of a JSON schema, its strings limited to JSON's characters."""
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace,
-                                           strict_mode=strict_mode)
+                                           strict_mode=strict_mode,
+                                           max_whitespace_cnt=MAX_WHITESPACE_RUN)
     return str(grammar).replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)
 
 

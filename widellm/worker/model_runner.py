@@ -212,11 +212,13 @@ class ModelRunner:
             row_ids = [batch.req_ids[r] for r in rows]
             if self.grammars.matchers:
                 logits = logits.to(torch.float32)
-                self.grammars.mask_logits_(logits, row_ids)
+                with maybe_phase(self.step_timer, "grammar"):
+                    self.grammars.mask_logits_(logits, row_ids)
             out = self.sampler(logits, self._sampling_metadata(batch, rows))
             tokens = out.sampled_token_ids.tolist()
             if self.grammars.matchers:
-                terminated = self.grammars.accept(row_ids, tokens)
+                with maybe_phase(self.step_timer, "grammar"):
+                    terminated = self.grammars.accept(row_ids, tokens)
             for j, row in enumerate(rows):
                 state = self.states[batch.req_ids[row]]
                 state.token_ids.append(tokens[j])

@@ -1,0 +1,195 @@
+"""The rest of the sampling surface against a live ``widellm serve``, driven by the official
+``openai`` client: continue_final_message, echo with max_tokens 0, prompt_logprobs, several
+served names, --max-logprobs, generation-config defaults, --chat-template, /tokenizer_info,
+and a 400 for a field that would otherwise be ignored.
+
+One server for the module, started with every flag under test: its generation config (a
+folder given to --generation-config) makes greedy decoding of 6 tokens the default."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.test_api_server import ServerProcess
+
+MODEL_ARCH = "LlamaForCausalLM"
+NAMES = ["tiny-main", "tiny-alias"]
+MAX_LOGPROBS = 5
+DEFAULT_MAX_TOKENS = 6  # the generation config's max_new_tokens
+GENERATION_CONFIG = {"temperature": 0.0, "max_new_tokens": DEFAULT_MAX_TOKENS}
+# Not the model's template ("<|user|>\n..."): answers rendered with it show the flag works.
+SERVER_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}[assistant] {% endif %}")
+PROMPT = "The capital of France is"
+CONTINUED = [{"role": "user", "content": "Tell me"},
+             {"role": "assistant", "content": "The answer is"}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+GREEDY = {"temperature": 0.0}
+IGNORE_EOS = {"ignore_eos": True}  # fixed output lengths from a random model
+NUM_TOKENS = 8
+REQUEST_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("surface")
+    (folder / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    template = folder / "template.jinja"
+    template.write_text(SERVER_TEMPLATE)
+    proc = ServerProcess(model_dir(MODEL_ARCH), folder / "server.log", [
+        "--served-model-name", *NAMES, "--max-logprobs", str(MAX_LOGPROBS),
+        "--generation-config", str(folder), "--chat-template", str(template),
+        "--enable-tokenizer-info-endpoint"])
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                       timeout=REQUEST_TIMEOUT_S, max_retries=0) as c:
+        yield c
+
+
+def _post(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json=body, timeout=REQUEST_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_continue_final_message_continues_the_assistant_text(server, client):
+    chat = client.chat.completions.create(
+        model=NAMES[0], messages=CONTINUED, max_tokens=NUM_TOKENS, logprobs=True,
+        extra_body={**CONTINUE, **IGNORE_EOS, **GREEDY})
+    # The prompt it ran: the assistant's message left open, in the server's template.
+    ids = _post(server, "/tokenize", {"messages": CONTINUED, **CONTINUE})["tokens"]
+    rendered = _post(server, "/detokenize", {"tokens": ids})["prompt"]
+    assert rendered == "[user] Tell me\n[assistant] The answer is"
+    # The same prompt as token ids on /v1/completions gives the same greedy tokens.
+    completion = client.completions.create(
+        model=NAMES[0], prompt=ids, max_tokens=NUM_TOKENS, logprobs=0,
+        extra_body={**IGNORE_EOS, **GREEDY})
+    assert chat.usage.prompt_tokens == completion.usage.prompt_tokens == len(ids)
+    assert chat.usage.completion_tokens == completion.usage.completion_tokens == NUM_TOKENS
+    assert [t.token for t in chat.choices[0].logprobs.content] == \
+        completion.choices[0].logprobs.tokens
+    assert chat.choices[0].message.content == completion.choices[0].text
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs(client):
+    only = client.completions.create(model=NAMES[0], prompt=PROMPT, echo=True, max_tokens=0,
+                                      logprobs=2)
+    one = client.completions.create(model=NAMES[0], prompt=PROMPT, echo=True, max_tokens=1,
+                                     logprobs=2)
+    choice = only.choices[0]
+    n = only.usage.prompt_tokens
+    assert (choice.text, choice.finish_reason) == (PROMPT, "length")
+    assert (only.usage.completion_tokens, only.usage.total_tokens) == (0, n)
+    assert "".join(choice.logprobs.tokens) == PROMPT and len(choice.logprobs.tokens) == n
+    assert choice.logprobs.token_logprobs[0] is None
+    assert all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
+    # The prompt part of echo + 1 token is the same, to the bit.
+    head = one.choices[0].logprobs
+    assert len(head.tokens) == n + 1 and one.usage.completion_tokens == 1
+    assert head.tokens[:n] == choice.logprobs.tokens
+    assert head.token_logprobs[:n] == choice.logprobs.token_logprobs
+    assert head.top_logprobs[:n] == choice.logprobs.top_logprobs
+    assert head.text_offset[:n] == choice.logprobs.text_offset
+    # Without echo, 0 tokens is nothing to return.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=NAMES[0], prompt=PROMPT, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"
+
+
+def test_prompt_logprobs_on_chat_and_completions(server, client):
+    chat = client.chat.completions.create(
+        model=NAMES[0], messages=[{"role": "user", "content": PROMPT}], max_tokens=1,
+        extra_body={"prompt_logprobs": 2})
+    ids = _post(server, "/tokenize", {"messages": [{"role": "user", "content": PROMPT}]})[
+        "tokens"]
+    listed = chat.model_extra["prompt_logprobs"]
+    assert len(listed) == len(ids) == chat.usage.prompt_tokens and listed[0] is None
+    for token_id, position in zip(ids[1:], listed[1:]):
+        # The prompt's token and the top 2 (two entries when the token is one of them).
+        ranks = {entry["rank"] for entry in position.values()}
+        assert str(token_id) in position and {1, 2} <= ranks and len(position) == len(ranks)
+        assert len(position) == (2 if position[str(token_id)]["rank"] <= 2 else 3)
+    # The same prompt as token ids on /v1/completions: the same entries, per choice.
+    completion = _post(server, "/v1/completions", {
+        "model": NAMES[0], "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2})
+    assert completion["choices"][0]["prompt_logprobs"] == listed
+
+
+def test_every_served_name_answers_and_the_first_is_listed_first(client):
+    assert [m.id for m in client.models.list().data] == NAMES
+    for name in NAMES:
+        response = client.completions.create(model=name, prompt=PROMPT, max_tokens=1)
+        assert response.model == name
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt=PROMPT, max_tokens=1)
+
+
+@pytest.mark.parametrize("endpoint, fields, param", [
+    ("completions", {"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
+    ("completions", {"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, "top_logprobs"),
+    ("chat", {"prompt_logprobs": MAX_LOGPROBS + 1}, "prompt_logprobs"),
+])
+def test_max_logprobs_caps_every_logprobs_field(server, endpoint, fields, param):
+    body = ({"prompt": PROMPT} if endpoint == "completions"
+            else {"messages": [{"role": "user", "content": PROMPT}]})
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    r = httpx.post(server.url + path, json={**body, **fields, "max_tokens": 1},
+                   timeout=REQUEST_TIMEOUT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    at_cap = {k: (MAX_LOGPROBS if v == MAX_LOGPROBS + 1 else v) for k, v in fields.items()}
+    _post(server, path, {**body, **at_cap, "max_tokens": 1})
+
+
+def test_generation_config_defaults_apply_when_the_request_leaves_them_unset(server, client):
+    default = client.completions.create(model=NAMES[0], prompt=PROMPT,
+                                        extra_body=IGNORE_EOS)
+    explicit = client.completions.create(model=NAMES[0], prompt=PROMPT,
+                                         max_tokens=DEFAULT_MAX_TOKENS,
+                                         extra_body={**IGNORE_EOS, **GREEDY})
+    sampled = client.completions.create(model=NAMES[0], prompt=PROMPT, temperature=1.0,
+                                        seed=1, extra_body=IGNORE_EOS)
+    assert default.usage.completion_tokens == DEFAULT_MAX_TOKENS
+    assert default.choices[0].text == explicit.choices[0].text  # greedy by default
+    assert sampled.usage.completion_tokens == DEFAULT_MAX_TOKENS
+    assert sampled.choices[0].text != explicit.choices[0].text  # the request's value wins
+    assert "default sampling parameters" in server.log()
+
+
+def test_tokenizer_info_serves_a_remote_tokenizer(server):
+    r = httpx.get(server.url + "/tokenizer_info", timeout=REQUEST_TIMEOUT_S)
+    assert r.status_code == 200
+    info = r.json()
+    assert (info["eos_token"], info["bos_token"], info["pad_token"]) == (
+        "<|endoftext|>", "<|bos|>", "<|pad|>")
+    assert info["chat_template"] == SERVER_TEMPLATE
+    # What lm-eval's remote tokenizer then sends: /tokenize without special tokens, and back.
+    tokens = _post(server, "/tokenize", {"prompt": "test", "add_special_tokens": False})[
+        "tokens"]
+    assert _post(server, "/detokenize", {"tokens": tokens})["prompt"] == "test"
+    eos = _post(server, "/tokenize", {"prompt": info["eos_token"],
+                                      "add_special_tokens": False})["tokens"]
+    assert len(eos) == 1
+
+
+def test_a_field_that_would_be_ignored_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=NAMES[0], prompt=PROMPT, max_tokens=1, suffix="!")
+    assert err.value.body["param"] == "suffix"
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=NAMES[0], max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "see"}, image]}])
+    assert err.value.body["param"] == "messages[0].content[1].type"
