@@ -131,8 +131,17 @@ class SchedulerConfig:
     # (docs/BENCHMARKS.md); padding bounds the row counts to a set that a server warms while
     # idle (ModelRunner.warm_next_size).
     prefill_pad_multiple: int = 0
+    # Decode-only steps run padded to the smallest of these row counts that holds them
+    # (vLLM's CUDA graph capture sizes: the CUDA runner captures one graph per size); a larger
+    # step runs as it is. Empty: no padding (the CPU default; given explicitly, a CPU engine
+    # pads the same way, which is how the tests check the padding).
+    cudagraph_capture_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        sizes = self.cudagraph_capture_sizes
+        if any(s < 1 for s in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ValueError(f"cuda_graph_sizes must be increasing positive row counts, got "
+                             f"{list(sizes)}")
         if self.prefill_pad_multiple < 0:
             raise ValueError(
                 f"prefill_pad_multiple must be >= 0, got {self.prefill_pad_multiple}")

@@ -17,6 +17,7 @@ from widellm.device import on_cuda
 from widellm.kv_transfer.config import KVTransferConfig
 from widellm.kv_transfer.registry import check_connector_name
 from widellm.model.loader import load_hf_config, resolve_model_path
+from widellm.worker.graph_buckets import default_capture_sizes
 from widellm.model.default_model import DEFAULT_MODEL_NAME
 
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -63,6 +64,12 @@ class EngineArgs:
         "help": "pad steps with prompt tokens to a multiple of this many tokens, so oneDNN "
                 "sees few GEMM shapes, which a server warms while idle (default: on CPU the "
                 "step budget / 64 in whole 16-row tiles, off on GPU; 0: off)"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "never run decode steps as CUDA graphs (and never pad them to graph sizes)"})
+    cuda_graph_sizes: str | None = field(default=None, metadata={
+        "help": "decode batch sizes captured as CUDA graphs, e.g. '1,2,4,8' (default on GPU: "
+                "1, 2, 4 and multiples of 8 up to --max-num-seqs, at most 512; on CPU none: "
+                "given, decode steps are padded to them there too)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_memory: str | None = field(default=None, metadata={
         "help": "KV cache size of each DP rank, e.g. 4GiB (per rank: N local ranks take N "
@@ -210,6 +217,7 @@ class EngineArgs:
                 async_scheduling=(
                     on_cuda() if self.async_scheduling is None
                     else self.async_scheduling),
+                cudagraph_capture_sizes=self._capture_sizes(),
                 prefill_pad_multiple=(
                     (0 if on_cuda() else default_prefill_pad_multiple(self.max_num_batched_tokens))
                     if self.prefill_pad_multiple is None else self.prefill_pad_multiple),
@@ -244,6 +252,17 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig.parse(
                 self.structured_outputs_config),
         )
+
+    def _capture_sizes(self) -> tuple[int, ...]:
+        if self.enforce_eager:
+            return ()
+        if self.cuda_graph_sizes is None:
+            return default_capture_sizes(self.max_num_seqs) if on_cuda() else ()
+        try:
+            return tuple(int(s) for s in str(self.cuda_graph_sizes).split(","))
+        except ValueError:
+            raise ValueError(f"cuda_graph_sizes: a comma-separated list of row counts, got "
+                             f"{self.cuda_graph_sizes!r}") from None
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)

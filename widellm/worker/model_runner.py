@@ -36,6 +36,7 @@ from widellm.structured_output.runner_grammars import RunnerGrammars
 from widellm.worker.cpu_allocator import keep_freed_memory
 from widellm.worker.dbo_runner import DualBatchRunner
 from widellm.worker.eplb_controller import EplbController
+from widellm.worker.graph_buckets import bucket_for
 from widellm.worker.input_batch import (
     BatchInputs, CachedRequestState, ModelInput, build_batch_inputs,
 )
@@ -91,6 +92,7 @@ class ModelRunner:
         # Seeded generators outlive preemption so a recomputed request keeps its stream.
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = RunnerGrammars(self.vocab_size)  # structured outputs' matchers
+        self.graph_sizes = config.scheduler_config.cudagraph_capture_sizes
         self.kv_caches: list[torch.Tensor] = []
         # Decode attention reads the paged cache in place where the CPU kernel is available and
         # every attention layer prefers it; otherwise it gathers each context and runs torch
@@ -164,7 +166,8 @@ class ModelRunner:
             self.block_size, self.decode_in_place,
         )
         input_ids, positions = batch.input_ids, torch.from_numpy(batch.positions)
-        num_padded = self._padded_num_tokens(md.num_tokens) if md.prefills else md.num_tokens
+        num_padded = (self._padded_num_tokens(md.num_tokens) if md.prefills
+                      else bucket_for(md.num_tokens, self.graph_sizes) or md.num_tokens)
         if num_padded > md.num_tokens:  # padding rows: token 0 at position 0
             md = pad_attention_metadata(md, num_padded)
             padding = torch.zeros(num_padded - len(input_ids), dtype=torch.int64)
