@@ -167,7 +167,7 @@ def default_prefill_pad_multiple(max_num_batched_tokens: int) -> int:
 
 
 # Dispatch/combine backends of expert-parallel MoE layers (see layers/moe/registry.py).
-ALL2ALL_BACKENDS = ("allgather_reducescatter", "all2all", "all2all_fixed")
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "all2all", "all2all_fixed", "auto")
 # Dual-batch overlap: never, on every step the thresholds allow, or per step where measured
 # faster on this deployment (see engine/dbo_policy.py).
 DBO_MODES = ("off", "on", "auto")

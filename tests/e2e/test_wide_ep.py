@@ -14,7 +14,7 @@ from tests.e2e.test_models_vs_hf import MAX_NEW_TOKENS, make_prompts
 from widellm import LLM, SamplingParams
 
 MODELS = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM")
-BACKENDS = ("allgather_reducescatter", "all2all", "all2all_fixed")
+BACKENDS = ("allgather_reducescatter", "all2all", "all2all_fixed", "auto")
 # Rank of each of the 8 prompts (lengths 5..300): rank 0 takes most; at 4 ranks rank 3 none.
 PLACEMENT = {2: [0, 0, 0, 1, 0, 0, 1, 0], 4: [0, 0, 1, 0, 2, 0, 1, 0]}
 NUM_KV_BLOCKS = 256

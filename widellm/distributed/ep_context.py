@@ -15,8 +15,9 @@ class ExpertParallelContext:
     Attributes:
         rank, size: this rank and the EP group size.
         group: the device process group the dispatchers' collectives run on.
-        all2all_backend: registered dispatcher name (``--all2all-backend``).
-        fixed_capacity: rows per rank pair for ``all2all_fixed`` (None: enough for any
+        all2all_backend: registered dispatcher name (``--all2all-backend``); ``auto`` picks
+            the fixed-capacity exchange for decode steps and the variable one otherwise.
+        fixed_capacity: rows per rank pair for ``all2all_fixed``/``auto`` (None: enough for any
             decode step, see :meth:`dispatcher_kwargs`).
         max_tokens_per_rank: most tokens one rank puts in a forward
             (``max_num_batched_tokens``), which bounds the worst case.
@@ -67,7 +68,7 @@ class ExpertParallelContext:
     def dispatcher_kwargs(self, top_k: int, num_experts: int) -> dict:
         """Keyword arguments of the chosen dispatcher beyond the expert map."""
         kwargs: dict = {"group": self.group}
-        if self.all2all_backend == "all2all_fixed":
+        if self.all2all_backend in ("all2all_fixed", "auto"):
             # A rank sends a destination at most one row per (token, expert held there). The
             # default fits any decode step, so decode never spills; a prefill may, and then
             # takes the checked spill round. Sizing for max_num_batched_tokens instead would
@@ -75,4 +76,6 @@ class ExpertParallelContext:
             rows_per_token = min(top_k, self.num_physical(num_experts) // self.size)
             kwargs["capacity"] = self.fixed_capacity or self.max_seqs_per_rank * rows_per_token
             kwargs["max_tokens_per_rank"] = self.max_tokens_per_rank
+        if self.all2all_backend == "auto":  # decode steps fixed, the others variable
+            kwargs["decode_rows"] = self.max_seqs_per_rank
         return kwargs

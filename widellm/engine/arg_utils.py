@@ -99,7 +99,9 @@ class EngineArgs:
     enable_expert_parallel: bool = field(default=False, metadata={
         "help": "shard routed experts over all DP ranks (tokens move by all-to-all)"})
     all2all_backend: str = field(default="all2all", metadata={
-        "help": "expert-parallel dispatch/combine", "choices": ALL2ALL_BACKENDS})
+        "help": "expert-parallel dispatch/combine (auto: the fixed-capacity exchange for "
+                "decode steps, the variable one for steps with prompt tokens)",
+        "choices": ALL2ALL_BACKENDS})
     all2all_fixed_capacity: int | None = field(default=None, metadata={
         "help": "rows per rank pair of the all2all_fixed buffers (default: enough for any "
                 "decode step; larger batches spill through a checked second round)"})

@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.linear import pack_linear_weights
+from widellm.model.fp8_weights import Fp8BlockQuantConfig, fp8_block_weights, with_scales
 from widellm.model.fused_decode import enable_fused_decode
 from widellm.model.registry import get_model_class
 from widellm.model.weight_utils import process_weights_after_loading, remote_expert_filter
@@ -95,8 +96,9 @@ def build_model(
 ) -> nn.Module:
     """Instantiate the architecture in ``dtype`` (routers stay fp32) and load the weights.
     With ``ep``, MoE models hold and read only this rank's routed experts; dense models have
-    nothing to split and ignore it. bf16 ``nn.Linear`` weights on CPU end up prepacked for
-    oneDNN (``$WIDELLM_CPU_PACKED_LINEAR=0`` keeps them plain)."""
+    nothing to split and ignore it. DeepSeek FP8 checkpoints (``quantization_config``) are
+    dequantized to ``dtype`` at load (see fp8_weights.py). bf16 ``nn.Linear`` weights on CPU
+    end up prepacked for oneDNN (``$WIDELLM_CPU_PACKED_LINEAR=0`` keeps them plain)."""
     cls = get_model_class(hf_config.architectures[0])
     kwargs = {"ep": ep} if ep is not None and "ep" in inspect.signature(cls).parameters else {}
     previous = torch.get_default_dtype()
@@ -105,8 +107,15 @@ def build_model(
         model = cls(hf_config, **kwargs)
     finally:
         torch.set_default_dtype(previous)
+    fp8 = Fp8BlockQuantConfig.from_hf_config(hf_config)
     with torch.no_grad():
-        model.load_weights(iterate_weights(path, skip=remote_expert_filter(model)))
+        if fp8 is None:
+            model.load_weights(iterate_weights(path, skip=remote_expert_filter(model)))
+        else:
+            # DeepSeek FP8: each weight meets its weight_scale_inv (fp8_weights.py decides
+            # whether it is dequantized or kept FP8); other ranks' experts skip both.
+            weights = iterate_weights(path, skip=with_scales(remote_expert_filter(model)))
+            model.load_weights(fp8_block_weights(weights, fp8, dtype))
     process_weights_after_loading(model)
     # Last: the hooks above may still read Linear weights; packing frees them.
     pack_linear_weights(model)

@@ -138,6 +138,8 @@ class PresetSpec:
         router_skew: 0 (default) for a plain random router; > 0 makes a few experts hot
             through the DeepSeek-V3 score-correction bias (see :data:`SKEW_WARM`), in units of
             the router-score spread. DeepSeek-V3 (``e_score_correction_bias``) models only.
+        quantization: None (default) for plain weights; ``"fp8"`` rewrites the saved
+            checkpoint into DeepSeek-V3's block FP8 format (``presets_fp8.py``).
     """
 
     config_class: str
@@ -148,6 +150,7 @@ class PresetSpec:
     extra_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     description: str = ""
     router_skew: float = 0.0
+    quantization: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -167,6 +170,8 @@ class PresetSpec:
         # Only when set, so unskewed presets keep their hashes (and cached folders).
         if self.router_skew:
             out["router_skew"] = self.router_skew
+        if self.quantization:
+            out["quantization"] = self.quantization
         return out
 
 
@@ -286,6 +291,12 @@ PRESETS: Mapping[str, PresetSpec] = MappingProxyType(
         # bias differs, which makes expert load unbalanced for EPLB tests and benchmarks.
         "deepseek-v3-tiny-skewed": _skewed(_DEEPSEEK_V3_TINY, _DEEPSEEK_V3_TINY_DESCRIPTION),
         "deepseek-v3-small-skewed": _skewed(_DEEPSEEK_V3_SMALL, _DEEPSEEK_V3_SMALL_DESCRIPTION),
+        # deepseek-v3-tiny's weights in DeepSeek-V3's own FP8 checkpoint format.
+        "deepseek-v3-tiny-fp8": dataclasses.replace(
+            _DEEPSEEK_V3_TINY, quantization="fp8",
+            description="deepseek-v3-tiny in DeepSeek-V3's FP8 format: float8_e4m3fn linears "
+            "with 128x128-block weight_scale_inv, quantization_config in config.json",
+        ),
         "deepseek-v2-tiny": PresetSpec(
             config_class="DeepseekV2Config",
             model_class="DeepseekV2ForCausalLM",
@@ -416,6 +427,10 @@ def spec_hash(spec: PresetSpec) -> str:
         payload["router_skew_profile"] = [
             SKEW_WARM, SKEW_BLOCK, SKEW_HOT, SKEW_HOT_SPAN_DIV, SKEW_WARM_SPAN_DIV, SKEW_SEED_OFFSET
         ]
+    if spec.quantization:
+        from widellm.model.presets_fp8 import quantization_recipe
+
+        payload["quantization_recipe"] = quantization_recipe(spec.quantization)
     blob = json.dumps(payload, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:HASH_CHARS]
 
@@ -478,6 +493,10 @@ def write_checkpoint(spec: PresetSpec, folder: str) -> None:
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(folder)
     _merge_json(os.path.join(folder, "config.json"), spec.extra_config)
+    if spec.quantization:
+        from widellm.model.presets_fp8 import quantize_checkpoint
+
+        quantize_checkpoint(folder, spec.quantization)
     max_length = spec.config_kwargs.get("max_position_embeddings")
     tokenizer = build_tokenizer(spec.vocab_size, model_max_length=max_length)
     tokenizer.save_pretrained(folder)

@@ -12,14 +12,16 @@ from widellm.layers.moe.dispatch import LocalDispatcher, MoEDispatcher
 from widellm.layers.moe.dispatch_all2all import All2AllDispatcher
 from widellm.layers.moe.dispatch_all2all_fixed import FixedCapacityAll2AllDispatcher
 from widellm.layers.moe.dispatch_allgather import AllGatherDispatcher
+from widellm.layers.moe.dispatch_per_step import PerStepDispatcher
 
-# The expert-parallel backends take ``group=`` (and all2all_fixed ``capacity=``); their shared
+# The expert-parallel backends take ``group=`` (all2all_fixed and auto ``capacity=``); their shared
 # contract is in widellm.layers.moe.dispatch_ep.
 DISPATCHER_REGISTRY: Mapping[str, type[MoEDispatcher]] = MappingProxyType({
     "local": LocalDispatcher,
     "allgather_reducescatter": AllGatherDispatcher,
     "all2all": All2AllDispatcher,
     "all2all_fixed": FixedCapacityAll2AllDispatcher,
+    "auto": PerStepDispatcher,
 })
 
 
