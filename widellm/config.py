@@ -8,12 +8,12 @@ depend on the model (``max_model_len``) and is the only place that reads the che
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from widellm.json_flags import parse_json_object
 from widellm.kv_transfer.config import KVTransferConfig
 
 _DTYPES = {
@@ -343,17 +343,8 @@ class StructuredOutputsConfig:
         """From ``--structured-outputs-config`` JSON (or a dict); None gives the defaults."""
         if value is None:
             return cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs_config: not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("structured_outputs_config: must be a JSON object")
-        unknown = set(value) - {"backend", "disable_any_whitespace"}
-        if unknown:
-            raise ValueError(f"structured_outputs_config: unknown keys {sorted(unknown)}")
-        return cls(**value)
+        return cls(**parse_json_object(value, "structured_outputs_config",
+                                       ("backend", "disable_any_whitespace")))
 
 
 @dataclass(frozen=True, slots=True)

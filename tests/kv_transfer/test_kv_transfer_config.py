@@ -40,9 +40,9 @@ def test_parse_dict_defaults_and_passthrough():
 
 
 @pytest.mark.parametrize("value,message", [
-    ("{not json", "--kv-transfer-config is not valid JSON"),
-    ("[1, 2]", "--kv-transfer-config must be a JSON object"),
-    (7, "--kv-transfer-config must be a JSON object"),
+    ("{not json", "--kv-transfer-config: not valid JSON"),
+    ("[1, 2]", "--kv-transfer-config: must be a JSON object"),
+    (7, "--kv-transfer-config: must be a JSON object"),
     ({"kv_connector": "TCPConnector", "kv_rol": "kv_both", "extra": 1},
      "--kv-transfer-config: unknown keys ['extra', 'kv_rol']; known: ['kv_connector', "
      "'kv_connector_extra_config', 'kv_load_failure_policy', 'kv_role']"),

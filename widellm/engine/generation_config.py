@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from widellm.json_flags import parse_json_object
 from widellm.sampling_params import SamplingParams
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -50,18 +51,7 @@ def _read_file(folder: str) -> dict[str, Any]:
 def _parse_override(override: str | Mapping[str, Any] | None) -> dict[str, Any]:
     if override is None:
         return {}
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config: not valid JSON: {e}") from None
-    if not isinstance(override, Mapping):
-        raise ValueError("override_generation_config: must be a JSON object")
-    unknown = sorted(set(override) - set(SAMPLING_KEYS))
-    if unknown:  # a typo must not pass for an applied default
-        raise ValueError(f"override_generation_config: unknown keys {unknown}; known: "
-                         f"{', '.join(SAMPLING_KEYS)}")
-    return dict(override)
+    return parse_json_object(override, "override_generation_config", SAMPLING_KEYS)
 
 
 def default_sampling_params(generation_config: str, model_path: str,

@@ -10,9 +10,10 @@ decode pool ``kv_consumer`` (it loads a request's prompt KV instead of computing
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from widellm.json_flags import parse_json_object
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -74,18 +75,8 @@ class KVTransferConfig:
         """The flag's JSON (or an ``LLM(kv_transfer_config={...})`` dict) as a config."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"--kv-transfer-config: unknown keys {unknown}; known: "
-                             f"{sorted(known)}")
+        value = parse_json_object(value, "--kv-transfer-config",
+                                  {f.name for f in dataclasses.fields(cls)})
         if "kv_connector" not in value:
             raise ValueError("--kv-transfer-config needs \"kv_connector\"")
         return cls(**value)
