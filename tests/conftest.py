@@ -3,8 +3,17 @@ Hugging Face reference outputs they are compared against."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without CUDA the Triton kernels (tests/ops/triton) run in Triton's interpreter. The variable
+# must be set before triton is first imported, by anything (torch's compiler imports it too):
+# triton decorates its own language functions (tl.cdiv, ...) then, and compiled ones cannot be
+# called from an interpreted kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from widellm.model.presets import resolve_preset
 from widellm.ops.cpu_kernels import load_cpu_kernels

@@ -62,6 +62,8 @@ class ModelConfig:
     max_model_len: int
     tokenizer: str
     seed: int = 0
+    # Resolved attention backend (layers/attention_backend.py): "cpu" or "triton".
+    attention_backend: str = "cpu"
     extra_served_names: tuple[str, ...] = ()
 
     @property

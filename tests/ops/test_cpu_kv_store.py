@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from widellm.layers.attention import store_to_cache, store_to_cache_reference
+from widellm.layers.kv_store import store_to_cache, store_to_cache_reference
 from widellm.layers.attention_metadata import AttentionMetadata
 
 

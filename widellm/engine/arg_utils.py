@@ -15,6 +15,7 @@ from widellm.config import (
 )
 from widellm.device import on_cuda
 from widellm.kv_transfer.config import KVTransferConfig
+from widellm.layers.attention_backend import ATTENTION_BACKENDS, resolve_attention_backend
 from widellm.kv_transfer.registry import check_connector_name
 from widellm.model.loader import load_hf_config, resolve_model_path
 from widellm.worker.graph_buckets import default_capture_sizes
@@ -70,6 +71,10 @@ class EngineArgs:
         "help": "decode batch sizes captured as CUDA graphs, e.g. '1,2,4,8' (default on GPU: "
                 "1, 2, 4 and multiples of 8 up to --max-num-seqs, at most 512; on CPU none: "
                 "given, decode steps are padded to them there too)"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "K/V store and decode attention: cpu (widellm's C++ kernels), triton "
+                "(the GPU kernels; without a GPU only under TRITON_INTERPRET=1, for tests), "
+                "auto (triton with a GPU, else cpu)", "choices": ATTENTION_BACKENDS})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_memory: str | None = field(default=None, metadata={
         "help": "KV cache size of each DP rank, e.g. 4GiB (per rank: N local ranks take N "
@@ -202,6 +207,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             tokenizer=self.tokenizer or path,
             seed=self.seed,
+            attention_backend=resolve_attention_backend(self.attention_backend, on_cuda()),
         )
         return EngineConfig(
             model_config=model_config,

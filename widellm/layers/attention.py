@@ -14,29 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from widellm.forward_context import get_forward_context
+from widellm.layers.attention_backend import AttentionBackend, CpuAttentionBackend
 from widellm.layers.attention_metadata import AttentionMetadata, PrefillSeq
-from widellm.ops.cpu_attention import (
-    paged_decode_attention, prefill_attention_batch, prefill_attention_kernels,
-)
-from widellm.ops.cpu_kernels import load_cpu_kernels
-
-
-def store_to_cache(cache: torch.Tensor, md: AttentionMetadata, values: torch.Tensor) -> None:
-    """cache [num_slots, ...] <- values [T, ...] at rows md.slot_mapping [T], padding rows (the
-    last T - md.num_actual_tokens) skipped: the kernels' one parallel pass of row copies where
-    they are built and the dtypes match, else :func:`store_to_cache_reference`."""
-    n = md.num_tokens if md.num_actual_tokens is None else md.num_actual_tokens
-    kernels = load_cpu_kernels() if cache.device.type == "cpu" else None
-    if kernels is not None and values.dtype == cache.dtype and values.stride(-1) == 1:
-        kernels.store_kv_cache(values[:n], cache, md.slot_mapping[:n])
-        return
-    store_to_cache_reference(cache, md.slot_mapping[:n], values[:n])
-
-
-def store_to_cache_reference(cache: torch.Tensor, slots: torch.Tensor,
-                             values: torch.Tensor) -> None:
-    """cache [num_slots, ...] <- values [n, ...] at rows slots [n] (index_copy_)."""
-    cache.index_copy_(0, slots, values.to(cache.dtype))
+from widellm.ops.cpu_attention import prefill_attention_batch, prefill_attention_kernels
 
 
 def zero_padding_rows(out: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -66,6 +46,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache = torch.empty(0)
+        # Stores K/V and runs decode; the model runner binds the engine's (see
+        # attention_backend.py).
+        self.attention_backend: AttentionBackend = CpuAttentionBackend()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -75,17 +58,15 @@ class Attention(nn.Module):
         md: AttentionMetadata = get_forward_context().attn_metadata
         k_cache = self.kv_cache[0].flatten(0, 1)  # [slots, Hkv, D]
         v_cache = self.kv_cache[1].flatten(0, 1)
-        store_to_cache(k_cache, md, k)
-        store_to_cache(v_cache, md, v)
+        self.attention_backend.store_kv(k, v, self.kv_cache, md)
         out = zero_padding_rows(torch.empty_like(q), md)
 
         if md.num_decodes and md.decode_block_table is not None:
             d = md.num_decodes
             # Query heads of one KV group are adjacent (head h reads KV head h // G).
-            qg = q[:d].view(d, self.num_kv_heads, -1, self.head_dim)
-            o = paged_decode_attention(qg, self.kv_cache[0], self.kv_cache[1],
-                                       md.decode_block_table, md.decode_seq_lens, self.scale)
-            out[:d] = o.view(d, self.num_heads, self.head_dim)
+            out[:d] = self.attention_backend.paged_decode(
+                q[:d], self.kv_cache[0], self.kv_cache[1], md.decode_block_table,
+                md.decode_seq_lens, self.scale)
         elif md.num_decodes:
             d = md.num_decodes
             kd = gather_from_cache(k_cache, md.decode_slots).transpose(1, 2)  # [D, Hkv, L, Dh]

@@ -18,11 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from widellm.forward_context import get_forward_context
-from widellm.layers.attention import gather_from_cache, store_to_cache, zero_padding_rows
+from widellm.layers.attention import gather_from_cache, zero_padding_rows
+from widellm.layers.attention_backend import AttentionBackend, CpuAttentionBackend
 from widellm.layers.attention_metadata import AttentionMetadata
-from widellm.ops.cpu_attention import (
-    paged_decode_attention, prefill_attention_batch, prefill_attention_kernels,
-)
+from widellm.ops.cpu_attention import prefill_attention_batch, prefill_attention_kernels
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
 
@@ -57,6 +56,8 @@ class MLAAttention(nn.Module):
         self.kv_cache = torch.empty(0)
         self.w_uk: torch.Tensor | None = None  # [H, nope, kv_lora_rank]
         self.w_uv_t: torch.Tensor | None = None  # [H, kv_lora_rank, v_head_dim]
+        # Stores latents and runs decode; the model runner binds the engine's.
+        self.attention_backend: AttentionBackend = CpuAttentionBackend()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.kv_lora_rank + self.qk_rope_head_dim)
@@ -86,7 +87,7 @@ class MLAAttention(nn.Module):
         k_pe [T, rope] (rotated) -> [T, H, v_head_dim]."""
         md: AttentionMetadata = get_forward_context().attn_metadata
         cache = self.kv_cache.flatten(0, 1)  # [slots, kv_lora + rope]
-        store_to_cache(cache, md, torch.cat([kv_c, k_pe], dim=-1))
+        self.attention_backend.store_latent(kv_c, k_pe, self.kv_cache, md)
         out = zero_padding_rows(q.new_empty(q.shape[0], self.num_heads, self.v_head_dim), md)
         if md.num_decodes and md.decode_block_table is not None:
             d = md.num_decodes
@@ -162,20 +163,12 @@ class MLAAttention(nn.Module):
     ) -> torch.Tensor:
         """q [D, H, nope+rope] -> [D, H, v], reading the latent cache in place: one shared
         576-wide key head for all H query heads, values = its first kv_lora_rank columns.
-        The AMX MLA kernel where it runs (its reference twin is :meth:`_decode_absorbed`),
-        else the generic paged decode kernel (slower than the gather form, so only reached
-        when a caller asks for the in-place form regardless)."""
+        The attention backend's MLA decode (its reference twin is :meth:`_decode_absorbed`):
+        on CPU the AMX kernel where it runs, else the generic paged decode kernel (slower
+        than the gather form, so reached only when a caller asks for the in-place form)."""
         q_cat = self._absorb_query(q)  # [D, H, kv_lora+rope]
-        if q_cat.dtype == torch.bfloat16 and self._amx_kernel_runs(self.kv_cache.shape[1]):
-            o_lat = load_cpu_kernels().mla_decode_attention(
-                q_cat.contiguous(), self.kv_cache, block_table, seq_lens, self.kv_lora_rank,
-                self.scale,
-            )
-        else:
-            cache = self.kv_cache.unsqueeze(2)  # [num_blocks, block_size, 1, kv_lora+rope]
-            o_lat = paged_decode_attention(q_cat.unsqueeze(1), cache,
-                                           cache[..., : self.kv_lora_rank], block_table,
-                                           seq_lens, self.scale).squeeze(1)
+        o_lat = self.attention_backend.mla_decode(q_cat, self.kv_cache, block_table, seq_lens,
+                                                  self.kv_lora_rank, self.scale)
         return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)
 
     def _decode_absorbed(

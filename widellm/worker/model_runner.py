@@ -24,6 +24,7 @@ from widellm.forward_context import DPMetadata, set_forward_context
 from widellm.kv_transfer.base import KVConnectorWorker
 from widellm.kv_transfer.kv_layout import block_dim_of
 from widellm.kv_transfer.registry import make_worker
+from widellm.layers.attention_backend import bind_attention_backend, make_attention_backend
 from widellm.layers.attention_metadata import (
     build_attention_metadata, dummy_attention_metadata, pad_attention_metadata,
 )
@@ -98,7 +99,9 @@ class ModelRunner:
         # every attention layer prefers it; otherwise it gathers each context and runs torch
         # attention (the reference path).
         attn = [m for m in self.model.modules() if hasattr(m, "prefers_in_place_decode")]
-        self.decode_in_place = (
+        backend = make_attention_backend(mc.attention_backend)
+        bind_attention_backend(self.model, backend)
+        self.decode_in_place = backend.in_place_decode or (
             not on_cuda()
             and all(m.prefers_in_place_decode(self.block_size) for m in attn)
             and load_cpu_kernels() is not None

@@ -1,17 +1,12 @@
 """Triton kernels against their torch twins. Without a CUDA device the kernels run in
-Triton's interpreter on CPU tensors: the variable must be set before any kernel module is
-imported (``triton.jit`` reads it when it decorates), which a conftest does first. On a GPU
-(benchmarks/gpu/check.sh) the same tests run the compiled kernels."""
+Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set by tests/conftest.py before
+anything imports triton). On a GPU (benchmarks/gpu/check.sh) the same tests run the compiled
+kernels."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from widellm.layers.attention import store_to_cache_reference
+from widellm.layers.kv_store import store_to_cache_reference
 from widellm.ops.triton_kv_store import (
     store_kv_cache, store_kv_cache_reference, store_latent_cache, store_latent_cache_reference,
 )
