@@ -114,3 +114,24 @@ def test_two_expert_parallel_ranks_with_async_scheduling(model_dir, one_rank):
     single_plain, single_structured, _, _ = one_rank[False][1]
     assert plain == single_plain
     assert structured == single_structured
+
+
+def test_a_complete_grammar_ends_the_request_whatever_min_tokens_and_ignore_eos_say(model_dir):
+    """Once the grammar is complete only EOS is allowed: min_tokens cannot mask it (the row
+    would have no token left) and ignore_eos cannot continue past it."""
+    with LLM(model_dir(ARCH), dtype="float32", num_kv_blocks=POOL_BLOCKS,
+             max_model_len=POOL_BLOCKS * 16) as llm:
+        eos = list(llm.llm_engine.processor.eos_token_ids)
+        prompts = _prompts(llm.llm_engine.config.model_config.hf_config.vocab_size, (7, 7), 2)
+        outs = llm.generate(prompts, [
+            SamplingParams(temperature=0, max_tokens=50, min_tokens=40,
+                           structured_outputs=S(choice=CHOICES)),
+            SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
+                           structured_outputs=S(choice=CHOICES)),
+        ], use_tqdm=False)
+        decode = llm.llm_engine.tokenizer.decode
+    for out in outs:
+        ids = out.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == "stop"
+        assert ids[-1] in eos and len(ids) < 40
+        assert decode(ids[:-1]) in CHOICES
