@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
@@ -37,6 +38,9 @@ from widellm.structured_output.registry import make_backend
 from widellm.worker.model_runner import DUMMY_BATCH_ROWS, ModelInput, ModelRunner
 
 logger = logging.getLogger(__name__)
+# Builds a rank's model runner: (config, EP context or None, step timer or None) -> runner.
+RunnerFactory = Callable[[EngineConfig, "ExpertParallelContext | None", "StepTimer | None"],
+                         ModelRunner]
 # How long an offline step with nothing to run but KV loads waits for one to end.
 KV_TRANSFER_WAIT_S = 0.002
 
@@ -85,10 +89,18 @@ class EngineCore:
         dp_groups: this rank's process groups when it is one of several data-parallel ranks;
             with expert parallelism its MoE layers exchange tokens over them, and every step
             runs a forward (a dummy batch when nothing is scheduled) so that they line up.
+        runner_factory: builds the model runner from (config, EP context, step timer); the
+            real :class:`ModelRunner` by default, a simulated one in a simulator.
+        clock: seconds on a monotonic clock, for step and forward durations (they feed the
+            stats and DBO's auto policy); a simulator passes the virtual clock its runner
+            advances.
     """
 
-    def __init__(self, config: EngineConfig, dp_groups: DPGroups | None = None) -> None:
+    def __init__(self, config: EngineConfig, dp_groups: DPGroups | None = None,
+                 runner_factory: RunnerFactory = ModelRunner,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.runner_factory, self.clock = runner_factory, clock
         pc = config.parallel_config
         self.lockstep = pc.needs_lockstep
         if self.lockstep and dp_groups is None:
@@ -154,7 +166,7 @@ class EngineCore:
 
     def _build_runner(self, ep: ExpertParallelContext | None) -> tuple[ModelRunner, int]:
         """The model runner with its KV cache allocated and its kernels warmed up."""
-        runner = ModelRunner(self.config, ep, self.step_timer)
+        runner = self.runner_factory(self.config, ep, self.step_timer)
         num_blocks = determine_num_blocks(self.config, runner.kv_spec.bytes_per_block)
         runner.initialize_kv_cache(num_blocks)
         sc = self.config.scheduler_config
@@ -260,7 +272,7 @@ class EngineCore:
             if self.has_loads_in_flight():  # nothing to run until a load ends
                 self.wait_for_loads(KV_TRANSFER_WAIT_S)
             return kv_outputs
-        start = time.monotonic()
+        start = self.clock()
         try:
             return kv_outputs + self._step()
         finally:
@@ -321,7 +333,7 @@ class EngineCore:
     def forward_planned_step(self, step: PlannedStep,
                              agreement: StepAgreement) -> ModelRunnerOutput | None:
         """Run ``step``'s forward (a dummy batch when it holds none) as the ranks agreed."""
-        start = time.perf_counter()
+        start = self.clock()
         self.num_dbo_steps += agreement.split
         try:
             if step.model_input is None:
@@ -331,7 +343,7 @@ class EngineCore:
             return self.model_runner.run_model_input(step.model_input, agreement.dp_metadata,
                                                      agreement.split)
         finally:
-            self._last_forward_us = int((time.perf_counter() - start) * 1e6)
+            self._last_forward_us = int((self.clock() - start) * 1e6)
 
     def finish_step(self, so: SchedulerOutput,
                     runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -342,7 +354,7 @@ class EngineCore:
     def run_planned_step(self, step: PlannedStep,
                          agreement: StepAgreement) -> list[EngineCoreOutput]:
         """Run ``step`` (a dummy batch when it holds no forward) as the ranks agreed."""
-        start = time.monotonic()
+        start = self.clock()
         runner_output = self.forward_planned_step(step, agreement)
         if runner_output is None:
             return []
@@ -353,7 +365,7 @@ class EngineCore:
 
     def count_step(self, start: float) -> None:
         self.num_steps += 1
-        self.last_step_duration_s = time.monotonic() - start
+        self.last_step_duration_s = self.clock() - start
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Keep two steps in flight: schedule N+1 (with placeholders for N's samples) while

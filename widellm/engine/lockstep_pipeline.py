@@ -23,7 +23,6 @@ runner thread: prepare, vote, forward, sample)::
 from __future__ import annotations
 
 import dataclasses
-import time
 from concurrent.futures import Future
 from collections import deque
 
@@ -86,7 +85,7 @@ class LockstepPipeline:
         return self.in_flight.popleft().result()
 
     def _run(self, so: SchedulerOutput | None, shutdown_requested: bool) -> VotedStep:
-        start = time.monotonic()
+        start = self.core.clock()
         if self._agreed_shutdown:
             return VotedStep(so, None, None, start)
         core = self.core
