@@ -94,13 +94,9 @@ class StructuredOutputFields(BaseModel):
             return StructuredOutputsParams(json=fmt.json_schema.json_schema)
         if source == "structured_outputs":
             so = self.structured_outputs
-            try:
-                return StructuredOutputsParams(
-                    json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                    json_object=so.json_object,
-                    disable_any_whitespace=so.disable_any_whitespace)
-            except ValueError as e:
-                raise ValueError(str(e)) from None
+            return StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
         kind = source.removeprefix("guided_")
         try:
             return StructuredOutputsParams(**{kind: getattr(self, source)})

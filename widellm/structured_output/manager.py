@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -21,6 +22,8 @@ from widellm.sampling_params import StructuredOutputsParams
 from widellm.structured_output.backend import CompiledGrammar, StructuredOutputBackend
 
 logger = logging.getLogger(__name__)
+# How many of the latest compile times a manager keeps.
+RECENT_COMPILE_TIMES = 1024
 
 
 class StructuredOutputManager:
@@ -35,8 +38,9 @@ class StructuredOutputManager:
         self._backend: Future[StructuredOutputBackend] | None = None
         # req_id -> (request, its compilation), in arrival order.
         self._pending: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
-        # Seconds each finished compilation took, for the caller to read (benchmarks, logs).
-        self.compile_times_s: list[float] = []
+        # Seconds the latest compilations took, for the caller to read (benchmarks, logs);
+        # bounded, so a long-running server does not keep one entry per request.
+        self.compile_times_s: deque[float] = deque(maxlen=RECENT_COMPILE_TIMES)
 
     @property
     def has_pending(self) -> bool:
