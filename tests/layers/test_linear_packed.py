@@ -16,9 +16,10 @@ from torch import nn
 from tests.conftest import TINY_MODELS
 from widellm import LLM, SamplingParams
 from widellm.layers.linear import (
-    PACKED_LINEAR_ENV, PackedLinear, pack_linear, pack_linear_weights, packed_linear_available,
+    PACKED_LINEAR_ENV, Linear, pack_linear, pack_linear_weights, packed_linear_available,
     packed_linear_enabled, warm_packed_linears,
 )
+from widellm.layers.linear_onednn import OneDNNPackedLinearMethod
 from widellm.model.loader import build_model, load_hf_config
 
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -42,13 +43,17 @@ MAX_TOKENS = 6
 LOGPROB_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 
+def _is_packed(m: nn.Module) -> bool:
+    return isinstance(m, Linear) and isinstance(m.linear_method, OneDNNPackedLinearMethod)
+
+
 def _linear(bias: bool, seed: int = 0, dtype: torch.dtype = PACK_DTYPE) -> nn.Linear:
     torch.manual_seed(seed)
-    return nn.Linear(IN_FEATURES, OUT_FEATURES, bias=bias).to(dtype)
+    return Linear(IN_FEATURES, OUT_FEATURES, bias=bias).to(dtype)
 
 
 def _packed_copy(lin: nn.Linear) -> nn.Linear:
-    out = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+    out = Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
                     dtype=lin.weight.dtype)
     out.load_state_dict(lin.state_dict())
     pack_linear(out)
@@ -68,7 +73,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_packed_matches_f_linear(m, bias, dtype):
     lin = _linear(bias, dtype=dtype)
     packed = _packed_copy(lin)
-    assert type(packed) is PackedLinear and packed.packed_weight.dtype == dtype
+    assert _is_packed(packed) and packed.packed_weight.dtype == dtype
     x = torch.randn(m, IN_FEATURES, dtype=dtype)
     with torch.inference_mode():
         _assert_close(packed(x), F.linear(x, lin.weight, lin.bias))
@@ -105,8 +110,8 @@ def test_pack_frees_the_plain_weight_and_keeps_no_checkpoint_entry():
 
 class _TwoHeads(nn.Module):
     """An embedding tied to one head, a head whose weight another tensor aliases, a plain bf16
-    head, a plain fp32 head, an fp16 head and a Linear subclass: only the plain bf16 and fp32
-    heads may be packed."""
+    head, a plain fp32 head, an fp16 head and a torch nn.Linear subclass: only the plain bf16
+    and fp32 heads may be packed."""
 
     class _Scaled(nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,13 +121,13 @@ class _TwoHeads(nn.Module):
         super().__init__()
         bf16 = torch.bfloat16
         self.embed = nn.Embedding(OUT_FEATURES, IN_FEATURES, dtype=bf16)
-        self.tied = nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False, dtype=bf16)
+        self.tied = Linear(IN_FEATURES, OUT_FEATURES, bias=False, dtype=bf16)
         self.tied.weight = self.embed.weight
-        self.aliased = nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False, dtype=bf16)
+        self.aliased = Linear(IN_FEATURES, OUT_FEATURES, bias=False, dtype=bf16)
         self.split = self.aliased.weight.detach()[:10]  # like a load-time split (MLA's w_uk)
-        self.plain = nn.Linear(IN_FEATURES, OUT_FEATURES, dtype=bf16)
-        self.fp32 = nn.Linear(IN_FEATURES, OUT_FEATURES)
-        self.fp16 = nn.Linear(IN_FEATURES, OUT_FEATURES, dtype=torch.float16)
+        self.plain = Linear(IN_FEATURES, OUT_FEATURES, dtype=bf16)
+        self.fp32 = Linear(IN_FEATURES, OUT_FEATURES)
+        self.fp16 = Linear(IN_FEATURES, OUT_FEATURES, dtype=torch.float16)
         self.scaled = self._Scaled(IN_FEATURES, OUT_FEATURES, dtype=bf16)
 
 
@@ -134,7 +139,7 @@ def test_only_unshared_plain_linears_are_packed():
     expected = {"plain", "fp32"} if packed_linear_available() else {"fp32"}
     assert pack_linear_weights(model, enabled=True) == len(expected)
     for name in ("tied", "aliased", "plain", "fp32", "fp16", "scaled"):
-        assert (type(getattr(model, name)) is PackedLinear) == (name in expected), name
+        assert _is_packed(getattr(model, name)) == (name in expected), name
     assert model.tied.weight is model.embed.weight is embed_weight
     # Already packed modules are not packed twice.
     assert pack_linear_weights(model, enabled=True) == 0
@@ -146,7 +151,7 @@ def test_disabled_packs_nothing(monkeypatch):
     monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
     assert not packed_linear_enabled()
     assert pack_linear_weights(model) == 0
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert not any(_is_packed(m) for m in model.modules())
     monkeypatch.setenv(PACKED_LINEAR_ENV, "maybe")
     with pytest.raises(ValueError, match=PACKED_LINEAR_ENV):
         packed_linear_enabled()
@@ -167,10 +172,10 @@ def test_build_model_packs_linears(arch, dtype, model_dir, monkeypatch):
     path = model_dir(arch)
     cfg = load_hf_config(path)
     model = build_model(cfg, path, dtype)
-    packed = [n for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+    packed = [n for n, m in model.named_modules() if _is_packed(m)]
     assert len(packed) == EXPECTED_PACKED[arch]
-    assert not any(type(m) is nn.Linear for m in model.modules())
-    assert type(model.lm_head) is PackedLinear
+    assert not any(isinstance(m, nn.Linear) and not _is_packed(m) for m in model.modules())
+    assert _is_packed(model.lm_head)
     # A tied head's packed copy leaves the embedding its plain weight.
     assert type(model.model.embed_tokens) is nn.Embedding
     assert model.model.embed_tokens.weight.dtype == dtype
@@ -178,17 +183,17 @@ def test_build_model_packs_linears(arch, dtype, model_dir, monkeypatch):
     # The reference twin: disabled, nothing is packed; fp16 is never packed.
     monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
     plain = build_model(cfg, path, dtype)
-    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    assert not any(_is_packed(m) for m in plain.modules())
     monkeypatch.delenv(PACKED_LINEAR_ENV)
     fp16 = build_model(cfg, path, torch.float16)
-    assert not any(isinstance(m, PackedLinear) for m in fp16.modules())
+    assert not any(_is_packed(m) for m in fp16.modules())
 
 
 def _greedy(path: str, dtype: torch.dtype) -> tuple[int, list[list[int]], list[list[float]]]:
     """(packed modules in the engine's model, greedy tokens, their logprobs) for PROMPTS."""
     llm = LLM(path, dtype=dtype, num_kv_blocks=256)
     model = llm.llm_engine.engine_core.model_runner.model  # in-process engine core (DP=1)
-    num_packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+    num_packed = sum(_is_packed(m) for m in model.modules())
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -221,7 +226,7 @@ def test_warm_packed_linears_calls_one_module_per_shape():
     the first module of that shape; plain linears are skipped."""
     same_a, same_b, other = _packed_copy(_linear(False, 0)), _packed_copy(_linear(False, 1)), \
         _packed_copy(_linear(True, 2))
-    plain = nn.Linear(IN_FEATURES, OUT_FEATURES, dtype=torch.float16)
+    plain = Linear(IN_FEATURES, OUT_FEATURES, dtype=torch.float16)
     seen: list[tuple[str, int]] = []
     for name, m in (("a", same_a), ("b", same_b), ("other", other)):
         m.register_forward_hook(lambda mod, args, out, name=name: seen.append(
@@ -247,7 +252,7 @@ def test_runner_warms_each_padded_prompt_size_once(model_dir):
     calls: dict[tuple[int, int], list[int]] = {}
     head_calls: list[int] = []
     for m in model.modules():
-        if isinstance(m, PackedLinear) and m is not model.lm_head:
+        if _is_packed(m) and m is not model.lm_head:
             m.register_forward_hook(lambda mod, args, out: calls.setdefault(
                 (mod.in_features, mod.out_features), []).append(args[0].shape[0]))
     model.lm_head.register_forward_hook(lambda mod, args, out: head_calls.append(1))
@@ -255,6 +260,6 @@ def test_runner_warms_each_padded_prompt_size_once(model_dir):
         runner.warm_next_size()
     runner.warm_next_size()  # nothing left: a no-op
     shapes = {(m.in_features, m.out_features) for m in model.modules()
-              if isinstance(m, PackedLinear) and m is not model.lm_head}
+              if _is_packed(m) and m is not model.lm_head}
     assert set(calls) == shapes and not head_calls
     assert all(rows == [32, 64, 96] for rows in calls.values())

@@ -109,13 +109,12 @@ def test_attention_layer_decode_forms_agree():
 
 def test_mla_layer_decode_forms_agree():
     """MLA decode (absorbed weights) with either metadata form."""
-    from torch import nn
-
+    from widellm.layers.linear import Linear
     from widellm.layers.mla import MLAAttention
 
     heads, nope, rope, v_dim, lora = 4, 8, 4, 6, 12
     gen = torch.Generator().manual_seed(6)
-    kv_b = nn.Linear(lora, heads * (nope + v_dim), bias=False)
+    kv_b = Linear(lora, heads * (nope + v_dim), bias=False)
     with torch.no_grad():
         kv_b.weight.copy_(torch.randn(kv_b.weight.shape, generator=gen) * 0.3)
     cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, lora + rope, generator=gen)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from tests.cpu_info import cpu_flags
 from widellm.forward_context import set_forward_context
 from widellm.layers.attention_metadata import build_attention_metadata
+from widellm.layers.linear import Linear
 from widellm.layers.mla import MLAAttention
 from widellm.ops.cpu_attention import paged_decode_attention_reference
 
@@ -31,7 +31,7 @@ def _skip_without_kernel(kernels):
 
 def _layer_and_inputs(seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    kv_b = nn.Linear(LORA, HEADS * (NOPE + V_DIM), bias=False)
+    kv_b = Linear(LORA, HEADS * (NOPE + V_DIM), bias=False)
     with torch.no_grad():
         kv_b.weight.copy_(torch.randn(kv_b.weight.shape, generator=gen) * 0.2)
     kv_b = kv_b.to(torch.bfloat16)
@@ -70,7 +70,7 @@ def test_mla_layer_prefers_the_kernel_in_bf16_only(kernels):
     layer, *_ = _layer_and_inputs()
     assert layer.prefers_in_place_decode(BLOCK)
     assert not layer.prefers_in_place_decode(2 * BLOCK)  # the kernel's tiles are 16 tokens
-    kv_b = nn.Linear(LORA, HEADS * (NOPE + V_DIM))
+    kv_b = Linear(LORA, HEADS * (NOPE + V_DIM))
     fp32 = MLAAttention(HEADS, NOPE, ROPE, V_DIM, LORA, 0.15, kv_b)
     fp32.process_weights_after_loading()
     assert not fp32.prefers_in_place_decode(BLOCK)

@@ -21,6 +21,7 @@ from widellm.forward_context import get_forward_context
 from widellm.layers.attention import gather_from_cache, zero_padding_rows
 from widellm.layers.attention_backend import AttentionBackend, CpuAttentionBackend
 from widellm.layers.attention_metadata import AttentionMetadata
+from widellm.layers.linear import Linear
 from widellm.ops.cpu_attention import prefill_attention_batch, prefill_attention_kernels
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
@@ -41,7 +42,7 @@ class MLAAttention(nn.Module):
         v_head_dim: int,
         kv_lora_rank: int,
         scale: float,
-        kv_b_proj: nn.Linear,
+        kv_b_proj: Linear,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -64,7 +65,7 @@ class MLAAttention(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Split ``kv_b_proj`` [H*(nope+v), kv_lora] into the absorbed decode matrices."""
-        w = self._kv_b_proj[0].weight.detach().view(
+        w = self._kv_b_proj[0].dense_weight().view(
             self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
         )
         self.w_uk = w[:, : self.qk_nope_head_dim].contiguous()

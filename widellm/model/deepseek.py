@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from widellm.layers.linear import Linear
 from widellm.layers.mla import MLAAttention
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.moe.layer import FusedMoE
@@ -61,17 +62,17 @@ class DeepseekMLAAttention(nn.Module):
         bias = bool(getattr(cfg, "attention_bias", False))
         h, n = cfg.hidden_size, self.num_heads
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, n * self.qk_head_dim, bias=False)
+            self.q_proj = Linear(h, n * self.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(h, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, n * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+            self.q_b_proj = Linear(self.q_lora_rank, n * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             self.kv_lora_rank, n * (self.qk_nope_head_dim + cfg.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(n * cfg.v_head_dim, h, bias=bias)
+        self.o_proj = Linear(n * cfg.v_head_dim, h, bias=bias)
         self.rotary_emb = rotary_emb
         self.mla = MLAAttention(
             n, self.qk_nope_head_dim, self.qk_rope_head_dim, cfg.v_head_dim, self.kv_lora_rank,

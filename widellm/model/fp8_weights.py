@@ -4,13 +4,15 @@ The loader reads ``quantization_config`` from config.json (:meth:`Fp8BlockQuantC
 from_hf_config`) and, when present, passes the checkpoint's tensor stream through
 :func:`fp8_block_weights`, which pairs every float8_e4m3fn ``X.weight`` with its
 ``X.weight_scale_inv`` (in either order, in the same or another shard file) and hands the model
-one tensor per weight. Which form that tensor takes is decided in one place,
-:func:`keep_fp8_weights` (the "linear method" seam):
+one tensor per weight, in the form the weight's layer takes (the loader decides per layer,
+``fp8_layers.py``):
 
-* dequantized to the model dtype (today, on every device): the model's plain ``nn.Linear``
-  weights load unchanged and ``weight_scale_inv`` never reaches the model;
-* kept as FP8 plus its scale (the CUDA FP8 block-quantized linear method, still to be built:
-  its linears own a ``weight`` float8 parameter and a ``weight_scale_inv`` fp32 one).
+* dequantized to the model dtype (every layer on CPU, and the layers that cannot keep FP8): the
+  model's plain or oneDNN-packed ``Linear`` weights load unchanged and ``weight_scale_inv``
+  never reaches the model;
+* kept as FP8 plus its scale, for the layers given the FP8 block linear method
+  (``widellm/layers/linear_fp8.py``), which own a float8 ``weight`` and a fp32
+  ``weight_scale_inv``.
 
 Non-FP8 tensors (embeddings, norms, the router gate, lm_head) pass through untouched.
 """
@@ -93,17 +95,6 @@ class Fp8BlockQuantConfig:
         )
 
 
-def keep_fp8_weights() -> bool:
-    """The linear-method seam: whether loaded FP8 weights stay FP8 (with their scales).
-
-    False on every device today: no FP8 linear exists yet, so weights are dequantized and
-    served by the plain (or oneDNN-packed) linears, CUDA included. The CUDA FP8 block linear
-    method turns this into ``widellm.device.on_cuda()`` once its quantized linears register
-    ``weight`` (float8_e4m3fn) and ``weight_scale_inv`` (fp32) parameters and the stacked
-    shards (gate_up_proj) stack scales as well as weights."""
-    return False
-
-
 def scale_inv_name(weight_name: str) -> str:
     """``"X.weight"`` -> ``"X.weight_scale_inv"``."""
     return weight_name + SCALE_INV_SUFFIX
@@ -127,7 +118,7 @@ def fp8_block_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     quant: Fp8BlockQuantConfig,
     dtype: torch.dtype,
-    keep_fp8: bool | None = None,
+    keep_fp8: bool | Callable[[str], bool] = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint's (name, tensor) stream with every FP8 weight joined to its scale.
 
@@ -138,7 +129,7 @@ def fp8_block_weights(
         weights: (HF name, tensor) pairs from the checkpoint.
         quant: the checkpoint's block-FP8 config.
         dtype: the model dtype dequantized weights are produced in.
-        keep_fp8: override of :func:`keep_fp8_weights` (tests exercise both sides).
+        keep_fp8: which FP8 weights (by name) stay FP8; a bool applies to all of them.
 
     Yields:
         ``(X.weight, [out, in] dtype)`` for each FP8 weight when dequantizing; when keeping
@@ -149,7 +140,7 @@ def fp8_block_weights(
         ValueError: an FP8 weight without its scale, a scale without an FP8 weight, or a
             scale whose shape does not fit its weight's blocks.
     """
-    keep = keep_fp8_weights() if keep_fp8 is None else keep_fp8
+    keep = keep_fp8 if callable(keep_fp8) else (lambda _name: keep_fp8)
     block = quant.weight_block_size
     waiting_weights: dict[str, torch.Tensor] = {}  # weight name -> fp8 weight
     waiting_scales: dict[str, torch.Tensor] = {}  # weight name -> its scale
@@ -160,7 +151,7 @@ def fp8_block_weights(
             check_scale_shape(q, scale_inv, block)
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
-        if keep:
+        if keep(name):
             yield name, q
             yield scale_inv_name(name), scale_inv
         else:

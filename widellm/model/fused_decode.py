@@ -29,7 +29,8 @@ from torch import nn
 from widellm.forward_context import ForwardContext
 from widellm.layers.activation import SiluAndMul
 from widellm.layers.attention import Attention
-from widellm.layers.linear import PackedLinear
+from widellm.layers.linear import Linear
+from widellm.layers.linear_onednn import OneDNNPackedLinearMethod
 from widellm.model.llama import DecoderLayer, DecoderModel, LlamaAttention, LlamaMLP
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
@@ -47,7 +48,9 @@ def fused_decode_enabled() -> bool:
 
 
 def _packed(*linears: nn.Module | None) -> bool:
-    return all(m is None or type(m) is PackedLinear for m in linears)
+    return all(m is None or (isinstance(m, Linear)
+                             and isinstance(m.linear_method, OneDNNPackedLinearMethod))
+               for m in linears)
 
 
 def _norms_in(dtypes: tuple[torch.dtype, ...], *norms: nn.Module) -> bool:

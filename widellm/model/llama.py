@@ -16,6 +16,7 @@ from torch import nn
 from widellm.forward_context import current_forward_context
 from widellm.layers.activation import SiluAndMul
 from widellm.layers.attention import Attention
+from widellm.layers.linear import Linear
 from widellm.layers.norm import RMSNorm
 from widellm.layers.rotary import RotaryEmbedding
 from widellm.model.weight_utils import (
@@ -41,8 +42,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rotary_emb  # one cos/sin table shared by all layers
@@ -64,8 +65,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,7 +139,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = model
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,7 +16,8 @@ from torch import nn
 from transformers import AutoConfig
 
 from widellm.distributed.ep_context import ExpertParallelContext
-from widellm.layers.linear import pack_linear_weights
+from widellm.layers.linear import linear_method_counts, pack_linear_weights, use_fp8_weights
+from widellm.model.fp8_layers import fp8_layer_names, layer_of
 from widellm.model.fp8_weights import Fp8BlockQuantConfig, fp8_block_weights, with_scales
 from widellm.model.fused_decode import enable_fused_decode
 from widellm.model.registry import get_model_class
@@ -24,6 +26,8 @@ from widellm.model.weight_utils import process_weights_after_loading, remote_exp
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 PRESET_PREFIX = "preset:"
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -65,6 +69,25 @@ def load_hf_config(path: str) -> Any:
     return cfg
 
 
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.isfile(os.path.join(path, SAFETENSORS_SINGLE)):
+        return [SAFETENSORS_SINGLE]
+    raise ValueError(f"model {path!r}: no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}")
+
+
+def checkpoint_names(path: str) -> list[str]:
+    """Every tensor name of a safetensors checkpoint, without reading a tensor."""
+    names: list[str] = []
+    for name in _safetensors_files(path):
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def iterate_weights(
     path: str, skip: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,15 +99,7 @@ def iterate_weights(
 
         yield from load_gguf(path).weights()
         return
-    index = os.path.join(path, SAFETENSORS_INDEX)
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, SAFETENSORS_SINGLE)):
-        files = [SAFETENSORS_SINGLE]
-    else:
-        raise ValueError(f"model {path!r}: no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}")
-    for name in files:
+    for name in _safetensors_files(path):
         with safe_open(os.path.join(path, name), framework="pt") as f:
             for key in f.keys():
                 if skip is None or not skip(key):
@@ -92,34 +107,49 @@ def iterate_weights(
 
 
 def build_model(
-    hf_config: Any, path: str, dtype: torch.dtype, ep: ExpertParallelContext | None = None
+    hf_config: Any, path: str, dtype: torch.dtype, ep: ExpertParallelContext | None = None,
+    device: torch.device | str = "cpu", keep_fp8: bool | None = None, fp8_kernel: str = "auto",
 ) -> nn.Module:
-    """Instantiate the architecture in ``dtype`` (routers stay fp32) and load the weights.
-    With ``ep``, MoE models hold and read only this rank's routed experts; dense models have
-    nothing to split and ignore it. DeepSeek FP8 checkpoints (``quantization_config``) are
-    dequantized to ``dtype`` at load (see fp8_weights.py). bf16 ``nn.Linear`` weights on CPU
-    end up prepacked for oneDNN (``$WIDELLM_CPU_PACKED_LINEAR=0`` keeps them plain)."""
+    """Instantiate the architecture in ``dtype`` on ``device`` (routers stay fp32) and load the
+    weights. With ``ep``, MoE models hold and read only this rank's routed experts; dense models
+    have nothing to split and ignore it.
+
+    Each ``Linear`` gets its linear method here (layers/linear.py): DeepSeek FP8 checkpoints
+    (``quantization_config``) keep their FP8 weights in the layers that can (``keep_fp8``,
+    default: on CUDA; see fp8_layers.py) and are dequantized to ``dtype`` elsewhere
+    (fp8_weights.py); bf16/fp32 plain weights on CPU end up prepacked for oneDNN
+    (``$WIDELLM_CPU_PACKED_LINEAR=0`` keeps them plain). ``fp8_kernel`` pins the FP8 layers'
+    kernel (tests)."""
+    device = torch.device(device)
     cls = get_model_class(hf_config.architectures[0])
     kwargs = {"ep": ep} if ep is not None and "ep" in inspect.signature(cls).parameters else {}
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = cls(hf_config, **kwargs)
+        with device:
+            model = cls(hf_config, **kwargs)
     finally:
         torch.set_default_dtype(previous)
     fp8 = Fp8BlockQuantConfig.from_hf_config(hf_config)
+    kept: set[str] = set()
+    if fp8 is not None and (device.type == "cuda" if keep_fp8 is None else keep_fp8):
+        kept = fp8_layer_names(model, checkpoint_names(path), fp8.weight_block_size)
+        use_fp8_weights(model, kept, fp8.weight_block_size, fp8_kernel)
     with torch.no_grad():
         if fp8 is None:
             model.load_weights(iterate_weights(path, skip=remote_expert_filter(model)))
         else:
-            # DeepSeek FP8: each weight meets its weight_scale_inv (fp8_weights.py decides
-            # whether it is dequantized or kept FP8); other ranks' experts skip both.
+            # DeepSeek FP8: each weight meets its weight_scale_inv and stays FP8 if its layer
+            # does; other ranks' experts skip both.
+            stacked = getattr(model, "stacked_shards", ())
             weights = iterate_weights(path, skip=with_scales(remote_expert_filter(model)))
-            model.load_weights(fp8_block_weights(weights, fp8, dtype))
+            model.load_weights(fp8_block_weights(
+                weights, fp8, dtype, keep_fp8=lambda name: layer_of(name, stacked)[0] in kept))
     process_weights_after_loading(model)
     # Last: the hooks above may still read Linear weights; packing frees them.
     pack_linear_weights(model)
     enable_fused_decode(model)  # needs the packed weights
+    logger.debug("linear methods: %s", linear_method_counts(model))
     return model.eval()
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.moe.layer import FusedMoE
+from widellm.layers.linear import Linear
 from widellm.model.llama import (
     CausalLM, DecoderLayer, DecoderModel, LlamaAttention, llama_stacked_shards, make_rotary,
 )
@@ -18,7 +19,7 @@ from widellm.model.llama import (
 class MixtralMoeBlock(nn.Module):
     def __init__(self, cfg: Any, ep: ExpertParallelContext | None = None) -> None:
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
         self.experts = FusedMoE(
             num_experts=cfg.num_local_experts,
             top_k=cfg.num_experts_per_tok,

@@ -11,6 +11,7 @@ from torch import nn
 
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.moe.layer import FusedMoE
+from widellm.layers.linear import Linear
 from widellm.model.llama import (
     CausalLM, DecoderLayer, DecoderModel, LlamaAttention, LlamaMLP, llama_stacked_shards,
     make_rotary,
@@ -22,7 +23,7 @@ class QwenMoeBlock(nn.Module):
 
     def __init__(self, cfg: Any, ep: ExpertParallelContext | None = None) -> None:
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = FusedMoE(
             num_experts=cfg.num_experts,
             top_k=cfg.num_experts_per_tok,
@@ -34,7 +35,7 @@ class QwenMoeBlock(nn.Module):
         )
         shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
         self.shared_expert = LlamaMLP(cfg.hidden_size, shared) if shared else None
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The shared expert runs while the routed tokens travel (FusedMoE.forward).

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from widellm.model.fp8 import SCALE_INV_SUFFIX
+
 _EXPERT_RE = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 _EXPERT_SHARDS = {
     "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",  # DeepSeek, Qwen-MoE
@@ -71,6 +73,10 @@ def load_weights(
                 pname = name.replace(part, f".{s.fused}.")
                 param = params[pname]
                 offset = param.shape[0] // 2 if s.offset == SECOND_HALF else s.offset
+                if pname.endswith(SCALE_INV_SUFFIX) and s.offset != SECOND_HALF:
+                    # An FP8 layer's scale grid: one row per block of weight rows.
+                    layer = modules[pname.rsplit(".", 1)[0]]
+                    offset //= layer.linear_method.block_size[0]
                 param.data[offset:offset + tensor.shape[0]].copy_(tensor)
                 loaded.add(pname)
                 break
