@@ -1,7 +1,8 @@
-"""On a GPU host the engine still computes on the CPU (the GPU model runner is a later
-issue): nothing may follow ``torch.cuda.is_available()`` there. With torch faked to report a
-GPU, and every CUDA memory call failing the test, the KV budget, the KV pool, the engine
-config and the collectives come out exactly as on a CPU-only host."""
+"""``--device``: on a GPU host ``auto`` still computes on the CPU (the CUDA model runner is not
+finished) and ``cuda`` is refused with the reason; nothing may follow
+``torch.cuda.is_available()`` past that choice. With torch faked to report a GPU, and every
+CUDA memory call failing the test, the KV budget, the KV pool, the engine config and the
+collectives come out exactly as on a CPU-only host."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import pytest
 import torch
 
+from widellm.device import resolve_device
 from widellm.distributed.groups import collective_backend
 from widellm.engine import kv_budget
 from widellm.engine.arg_utils import EngineArgs
@@ -86,9 +88,30 @@ def test_kv_pool_is_lazily_mapped_host_memory(gpu_host):
 
 
 def test_engine_config_and_collectives_are_the_cpu_ones(gpu_host, model_dir):
-    assert collective_backend() == "gloo"
-    sc = EngineArgs(model=model_dir("LlamaForCausalLM"), dtype="float32",
-                    max_num_batched_tokens=2048).create_engine_config().scheduler_config
+    config = EngineArgs(model=model_dir("LlamaForCausalLM"), dtype="float32",
+                        max_num_batched_tokens=2048).create_engine_config()
+    assert config.device == "cpu" and not config.on_cuda
+    assert collective_backend(config.device) == "gloo"
+    assert collective_backend("cuda") == "nccl"
+    sc = config.scheduler_config
     # The CPU defaults: synchronous scheduling, prefill padded to whole AMX tiles
     # (2,048 tokens over the pad sizes -> 32; a CUDA engine pads nothing).
     assert (sc.async_scheduling, sc.prefill_pad_multiple) == (False, 32)
+
+
+@pytest.mark.parametrize("visible", [False, True], ids=["cpu-host", "gpu-host"])
+def test_device_resolution(visible):
+    assert resolve_device("cpu", cuda_available=visible) == "cpu"
+    assert resolve_device("auto", cuda_available=visible) == "cpu"
+    reason = "CUDA model runner is not finished" if visible else "no CUDA device is visible"
+    with pytest.raises(ValueError, match=reason):
+        resolve_device("cuda", cuda_available=visible)
+    with pytest.raises(ValueError, match="expected one of"):
+        resolve_device("tpu", cuda_available=visible)
+
+
+def test_device_flag_reaches_the_config(gpu_host, model_dir):
+    args = dict(model=model_dir("LlamaForCausalLM"), dtype="float32")
+    assert EngineArgs(device="cpu", **args).create_engine_config().device == "cpu"
+    with pytest.raises(ValueError, match="device 'cuda'"):
+        EngineArgs(device="cuda", **args).create_engine_config()

@@ -30,13 +30,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from widellm.device import on_cuda
 
 
 class StepTimer:
     def __init__(self, synchronize: bool = False) -> None:
         self.totals: defaultdict[str, float] = defaultdict(float)
-        self._sync = synchronize and on_cuda()
+        self._sync = synchronize
         # Seconds the calling thread has spent waiting for another micro-batch (see the module
         # docstring); set by the dual-batch runner for the length of a split forward.
         self.away_clock: Callable[[], float] = never_away

@@ -17,7 +17,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from widellm.device import on_cuda
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +29,19 @@ class DPGroups:
     cpu_group: dist.ProcessGroup
 
 
-def collective_backend() -> str:
+def collective_backend(device: str) -> str:
     """NCCL where the engine's tensors are on CUDA, gloo for the CPU engine (also on GPU hosts)."""
-    return "nccl" if on_cuda() else "gloo"
+    return "nccl" if device == "cuda" else "gloo"
 
 
 def init_dp_groups(
-    rank: int, size: int, store_host: str, store_port: int, timeout_s: float
+    rank: int, size: int, store_host: str, store_port: int, timeout_s: float,
+    device: str = "cpu",
 ) -> DPGroups:
     """Join the deployment's rendezvous as ``rank`` of ``size``; blocks until all have joined."""
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timeout)
-    backend = collective_backend()
+    backend = collective_backend(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     logger.info("DP rank %d/%d joined (%s at %s:%d)", rank, size, backend, store_host, store_port)

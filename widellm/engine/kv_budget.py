@@ -22,7 +22,6 @@ import logging
 from dataclasses import dataclass
 
 from widellm.config import EngineConfig
-from widellm.device import on_cuda
 from widellm.worker.kv_cache import available_memory
 
 logger = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ class KVBlockPlan:
 def uses_host_budget(config: EngineConfig) -> bool:
     """Whether the pool is sized from a share of the host's memory (CPU, no explicit size)."""
     cc = config.cache_config
-    return not on_cuda() and cc.num_kv_blocks is None and cc.kv_cache_memory is None
+    return not config.on_cuda and cc.num_kv_blocks is None and cc.kv_cache_memory is None
 
 
 def share_host_memory(config: EngineConfig) -> EngineConfig:
@@ -47,7 +46,7 @@ def share_host_memory(config: EngineConfig) -> EngineConfig:
     cc = config.cache_config
     if not uses_host_budget(config) or cc.host_available_memory is not None:
         return config
-    memory = available_memory()
+    memory = available_memory(config.device)
     available = memory.num_bytes
     local = config.parallel_config.local_size
     logger.info(
@@ -62,11 +61,11 @@ def share_host_memory(config: EngineConfig) -> EngineConfig:
 def rank_budget_bytes(config: EngineConfig) -> int:
     """This rank's cap in bytes when no explicit size is given."""
     cc = config.cache_config
-    if on_cuda():
-        return int(available_memory().num_bytes * cc.kv_cache_memory_fraction)
+    if config.on_cuda:
+        return int(available_memory(config.device).num_bytes * cc.kv_cache_memory_fraction)
     available = cc.host_available_memory
     if available is None:
-        available = available_memory().num_bytes
+        available = available_memory(config.device).num_bytes
     return int(available * cc.kv_cache_memory_fraction) // config.parallel_config.local_size
 
 

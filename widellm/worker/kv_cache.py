@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from widellm.device import on_cuda
 from widellm.worker.host_memory import AvailableMemory, host_available_memory
 
 
@@ -39,15 +38,16 @@ class KVCacheSpec:
         return num_bytes // self.bytes_per_block
 
 
-def available_memory() -> AvailableMemory:
+def available_memory(device: str = "cpu") -> AvailableMemory:
     """Memory the KV cache may come from: free device memory on CUDA; on CPU the host's
     MemAvailable or, where less, what this process's memory cgroups still allow."""
-    if on_cuda():
+    if device == "cuda":
         return AvailableMemory(torch.cuda.mem_get_info()[0], "free CUDA memory")
     return host_available_memory()
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int,
+                      device: str = "cpu") -> list[torch.Tensor]:
     """Zero-filled tensors bound to their layers as ``layer.kv_cache``.
 
     On CPU each comes from an anonymous mmap: the kernel hands out zero pages on first write,
@@ -57,8 +57,8 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int) -> list[torch.Tensor]:
     caches = []
     for layer in spec.layers:
         shape = layer.kv_cache_shape(num_blocks, spec.block_size)
-        if on_cuda():  # device memory: as before this change, not lazily mapped
-            cache = torch.zeros(shape, dtype=spec.dtype)
+        if device != "cpu":  # device memory: zeroed at once, not lazily mapped
+            cache = torch.zeros(shape, dtype=spec.dtype, device=device)
         else:
             cache = lazy_zeros(shape, spec.dtype)
         layer.kv_cache = cache

@@ -18,7 +18,6 @@ import torch
 from widellm.config import EngineConfig
 from widellm.core.outputs import LogprobsLists, ModelRunnerOutput
 from widellm.core.scheduler_output import SchedulerOutput
-from widellm.device import on_cuda
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.forward_context import DPMetadata, set_forward_context
 from widellm.kv_transfer.base import KVConnectorWorker
@@ -76,14 +75,14 @@ class ModelRunner:
         mc = config.model_config
         self.block_size = config.cache_config.block_size
         self.vocab_size = mc.hf_config.vocab_size
-        self.model = build_model(mc.hf_config, mc.model, mc.dtype, ep)
+        self.model = build_model(mc.hf_config, mc.model, mc.dtype, ep, device=config.device)
         # Ranks whose MoE layers exchange tokens with this one (None: this rank alone).
         self.ep_size = ep.size if ep is not None and ep.size > 1 else None
         self.kv_spec = KVCacheSpec.from_model(self.model, self.block_size, mc.dtype)
         rank = config.parallel_config.data_parallel_rank or 0
         # Unseeded random rows draw from this rank's own stream: reproducible for a given
         # --seed, distinct across ranks (see engine_core_seed).
-        self.generator = torch.Generator(device="cuda" if on_cuda() else "cpu").manual_seed(
+        self.generator = torch.Generator(device=config.device).manual_seed(
             engine_core_seed(mc.seed, rank))
         self.sampler = Sampler(self.generator)
         # Test-only fault injection (WIDELLM_TEST_STEP_SLEEP_S, read once): every step that
@@ -102,7 +101,7 @@ class ModelRunner:
         backend = make_attention_backend(mc.attention_backend)
         bind_attention_backend(self.model, backend)
         self.decode_in_place = backend.in_place_decode or (
-            not on_cuda()
+            not config.on_cuda
             and all(m.prefers_in_place_decode(self.block_size) for m in attn)
             and load_cpu_kernels() is not None
         )
@@ -127,7 +126,7 @@ class ModelRunner:
                                        num_nodes, ep.group)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks)
+        self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.config.device)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(
                 self.kv_caches, [block_dim_of(m, self.block_size) for m in self.kv_spec.layers])
@@ -136,7 +135,7 @@ class ModelRunner:
                 # a streamed prompt's layers go out while the later layers compute.
                 for i, layer in enumerate(self.kv_spec.layers):
                     layer.register_forward_hook(self._kv_layer_saved_hook(str(i)))
-        if not on_cuda():
+        if not self.config.on_cuda:
             # Only now: weights and KV cache keep their own (huge-page friendly) mappings;
             # what follows is per-step activations, which should recycle heap memory.
             keep_freed_memory()
