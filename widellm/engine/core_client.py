@@ -6,7 +6,8 @@ All-local ranks use IPC files in a fresh temporary folder, so two servers on one
 collide and no port is needed; a deployment that spans machines binds the ROUTER at
 ``--data-parallel-address:--data-parallel-rpc-port`` and the output socket at a free port of
 the same address. The torch.distributed rendezvous store lives here too (a free port), so
-ranks need to be told nothing but the handshake address.
+ranks need to be told nothing but the handshake address. With ``--data-parallel-backend ray``
+the ranks are Ray actors (``ray_launcher.py``) and the sockets are TCP at this node's address.
 
 Requests go to the rank the prefix-aware load balancer picks (or a pinned
 ``data_parallel_rank``); every sample of an ``n > 1`` request goes to the same rank, since
@@ -75,6 +76,19 @@ def spawn_engine_cores(config: EngineConfig, handshake_addr: str) -> list[multip
     return procs
 
 
+def make_ray_launcher(config: EngineConfig):
+    """The Ray launcher when ``--data-parallel-backend ray`` (connected to the cluster), else
+    None. Ray, an optional extra, is imported only here."""
+    if config.parallel_config.data_parallel_backend != "ray":
+        return None
+    try:
+        from widellm.engine.ray_launcher import RayLauncher
+    except ImportError as e:
+        raise ImportError("--data-parallel-backend ray needs Ray: pip install 'widellm[ray]'"
+                          f" ({e})") from None
+    return RayLauncher(config)
+
+
 def describe_exit(exitcode: int | None) -> str:
     """An exit status in words: a signal by its name (multiprocessing gives -signum)."""
     if exitcode is None:
@@ -87,6 +101,12 @@ def describe_exit(exitcode: int | None) -> str:
         name = f"signal {-exitcode}"
     # The kernel's OOM killer is the usual sender of an unexplained SIGKILL.
     return f"killed by {name}" + (" (out of memory?)" if -exitcode == signal.SIGKILL else "")
+
+
+def describe_rank_exit(proc) -> str:
+    """How a rank's process ended; a Ray rank's handle says it in words (Ray gives no status)."""
+    reason = getattr(proc, "exit_reason", None)
+    return reason if reason is not None else describe_exit(proc.exitcode)
 
 
 def stop_processes(procs: Sequence[multiprocessing.Process], grace_s: float) -> None:
@@ -104,6 +124,7 @@ class EngineCoreClient:
         pc = config.parallel_config
         self.num_ranks = pc.data_parallel_size
         self._start_rank = pc.data_parallel_start_rank
+        self._ray = make_ray_launcher(config)
         self._tmpdir = tempfile.mkdtemp(prefix="widellm-ipc-")
         # Async sockets for serving; the sync paths use shadows of the same sockets.
         self._ctx = zmq.asyncio.Context()
@@ -111,14 +132,16 @@ class EngineCoreClient:
         # Fail loudly, not silently drop, when sending to a rank that is not connected.
         self._input.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._output = self._ctx.socket(zmq.PULL)
-        if pc.data_parallel_rpc_port is None:
+        # Ray ranks may be on other nodes: TCP at this node's cluster address, always.
+        host = pc.data_parallel_address if self._ray is None else self._ray.frontend_host
+        if pc.data_parallel_rpc_port is None and self._ray is None:
             handshake_addr = f"ipc://{os.path.join(self._tmpdir, 'input')}"
             self._input.bind(handshake_addr)
             self._output.bind(f"ipc://{os.path.join(self._tmpdir, 'output')}")
         else:
-            handshake_addr = f"tcp://{pc.data_parallel_address}:{pc.data_parallel_rpc_port}"
-            self._input.bind(handshake_addr)
-            self._output.bind(f"tcp://{pc.data_parallel_address}:*")
+            self._input.bind(f"tcp://{host}:{pc.data_parallel_rpc_port or '*'}")
+            handshake_addr = self._input.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._output.bind(f"tcp://{host}:*")
         self._output_addr = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sync_in = zmq.Socket.shadow(self._input.underlying)
         self._sync_out = zmq.Socket.shadow(self._output.underlying)
@@ -126,10 +149,10 @@ class EngineCoreClient:
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         # The rendezvous of the ranks' process groups, reachable wherever the ROUTER is.
         self._store = (
-            dist.TCPStore(pc.data_parallel_address, 0, None, True, wait_for_workers=False)
+            dist.TCPStore(host, 0, None, True, wait_for_workers=False)
             if pc.needs_lockstep else None
         )
-        self.procs = spawn_engine_cores(config, handshake_addr)
+        self.procs: list = []
         self._req_rank: dict[str, int] = {}
         # Each rank's latest scheduler stats (KV usage, queue lengths), for logs and tests.
         self.last_stats: dict[int, SchedulerStats] = {}
@@ -140,7 +163,10 @@ class EngineCoreClient:
         # Each rank's KV connector endpoint (disaggregated prefill/decode), from its READY.
         self.kv_endpoints: dict[int, dict] = {}
         try:
-            self.num_kv_blocks = self._handshake(pc.data_parallel_address, pc.engine_ready_timeout_s)
+            # multiprocessing.Process objects, or handles to Ray actors that read the same.
+            self.procs = (spawn_engine_cores(config, handshake_addr) if self._ray is None
+                          else self._ray.start(handshake_addr))
+            self.num_kv_blocks = self._handshake(host, pc.engine_ready_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -191,7 +217,8 @@ class EngineCoreClient:
             dead = [p for p in self.procs if not p.is_alive()]
             if dead:
                 raise RuntimeError(f"engine core exited during start-up "
-                                   f"({dead[0].name}, {describe_exit(dead[0].exitcode)})")
+                                   f"({dead[0].name}, {describe_rank_exit(dead[0])})")
+        self.kv_blocks_by_rank = ready  # each rank's KV pool, for widellm:cache_config_info
         return min(ready.values())
 
     def _startup_message(self, raw: bytes) -> ReadyMessage | StartupPhase:
@@ -218,8 +245,9 @@ class EngineCoreClient:
         dead = self._dead()
         if not dead:
             return "engine core is not running"
-        rank, proc = dead[0]
-        return f"engine core {rank} (pid {proc.pid}) died: {describe_exit(proc.exitcode)}"
+        # A rank that crashed, not one that returned after reporting its peers' failure.
+        rank, proc = next(((r, p) for r, p in dead if p.exitcode != 0), dead[0])
+        return f"engine core {rank} (pid {proc.pid}) died: {describe_rank_exit(proc)}"
 
     def failure_reason(self, rank: int, engine_error: str) -> str:
         """Why the engine failed when ``rank`` reports ``engine_error``. When another local
@@ -345,7 +373,10 @@ class EngineCoreClient:
                                              flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # that rank never connected or is gone
-        stop_processes(self.procs, SHUTDOWN_GRACE_S)
+        if self._ray is None:
+            stop_processes(self.procs, SHUTDOWN_GRACE_S)
+        else:
+            self._ray.stop(SHUTDOWN_GRACE_S)
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()

@@ -27,6 +27,10 @@ def run_headless(engine_args: EngineArgs) -> None:
     if pc.data_parallel_rpc_port is None:
         raise ValueError("--headless needs --data-parallel-rpc-port (and --data-parallel-address) "
                          "of the head node")
+    if pc.data_parallel_backend == "ray":
+        raise ValueError("--headless starts this machine's ranks as processes; with "
+                         "--data-parallel-backend ray the head node's frontend places every "
+                         "rank on the Ray cluster itself (run no headless node)")
     if pc.data_parallel_start_rank == 0:
         raise ValueError("--headless runs secondary ranks: give --data-parallel-start-rank > 0")
     stop = False
