@@ -33,8 +33,11 @@ MS = 1000.0
 async def _run(args: argparse.Namespace) -> dict:
     model = fetch_first_model(args.base_url, None, 60.0)
     url = args.base_url + COMPLETIONS_ENDPOINT
-    dec = RequestSettings(url, model, args.decoder_output_len)
-    long = RequestSettings(url, model, args.long_output_len)
+    # Greedy, and exactly the asked-for output lengths (ignore_eos + min_tokens), so every
+    # setup decodes the same number of tokens.
+    fixed = dict(fixed_output_len=True, extra_body={"temperature": 0.0})
+    dec = RequestSettings(url, model, args.decoder_output_len, **fixed)
+    long = RequestSettings(url, model, args.long_output_len, **fixed)
     dec_prompts = random_token_prompts(args.num_decoders, args.decoder_input_len,
                                        args.vocab_size, seed=args.seed)
     long_prompts = random_token_prompts(args.num_long, args.long_input_len, args.vocab_size,

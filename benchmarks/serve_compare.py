@@ -95,11 +95,14 @@ def run_engine(name: str, args: argparse.Namespace, tag: str = "") -> dict:
             out = os.path.join(args.out_dir, f"{name}{tag}-c{c}.json")
             # Each concurrency level its own prompts (the same on every engine): they run on
             # one server, whose prefix cache would otherwise serve the later levels' prompts.
+            # Token-id prompts, greedy, exact output lengths: the same work on both engines.
             bench = [sys.executable, "-m", "widellm.bench.serve", "--base-url", url,
                      "--model", "bench", "--tokenizer", args.model, "--input-len",
                      str(args.input_len), "--output-len", str(args.output_len),
                      "--num-prompts", str(args.num_prompts), "--max-concurrency", str(c),
-                     "--seed", str(args.seed + i), "--output-json", out, "--disable-tqdm"]
+                     "--seed", str(args.seed + i), "--token-id-prompts", "--temperature", "0",
+                     "--fixed-output-len", "--save-result", "--result-filename", out,
+                     "--disable-tqdm"]
             subprocess.run(bench, check=True)
             with open(out) as f:
                 results[f"c{c}"] = json.load(f)

@@ -10,9 +10,10 @@ cd "$(dirname "$0")/.."
 OUT=${1:-bench-results/structured}
 ROUNDS=${2:-3}
 PORT=${PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
-BENCH="--base-url http://127.0.0.1:$PORT --endpoint /v1/chat/completions --max-concurrency 16"
+BENCH="--base-url http://127.0.0.1:$PORT --backend openai-chat --max-concurrency 16"
 BENCH="$BENCH --num-prompts 64 --input-len 128 --output-len 128 --num-warmups 16 --disable-tqdm"
-BENCH="$BENCH --tokenizer SmolLM2-135M-Instruct"
+# Greedy, and every request exactly --output-len tokens (ignore_eos + min_tokens).
+BENCH="$BENCH --tokenizer SmolLM2-135M-Instruct --temperature 0 --fixed-output-len"
 mkdir -p "$OUT"
 .venv/bin/widellm serve --port "$PORT" --disable-uvicorn-access-log > "$OUT/server.log" 2>&1 &
 SERVER=$!
@@ -30,7 +31,7 @@ for round in $(seq 1 "$ROUNDS"); do
     flag=""; [ $mode = schema ] && flag="--json-schema benchmarks/structured_schema.json"
     name="$mode-r$round"
     echo "== $name" >&2
-    .venv/bin/widellm bench serve $BENCH $flag --output-json "$OUT/$name.json" \
+    .venv/bin/widellm bench serve $BENCH $flag --save-result --result-filename "$OUT/$name.json" \
         > "$OUT/$name.log" 2>&1 || echo "FAILED, see $OUT/$name.log" >&2
     grep -i "output token throughput" "$OUT/$name.log" >&2 || true
   done

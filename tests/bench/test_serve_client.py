@@ -1,28 +1,28 @@
 """``widellm bench serve`` against a tiny fake OpenAI server streaming on a known schedule,
 run by uvicorn in a background thread on a free local port."""
 
-import argparse
 import asyncio
 import json
-import socket
+import math
 import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from tests.bench.bench_utils import (
+    SERVER_START_TIMEOUT_S, bound_socket, parse_bench_args, serve_app, word_level_tokenizer,
+)
 from widellm.bench.datasets import random_token_prompts
-from widellm.bench.serve_args import add_cli_args
 from widellm.bench.serve import (
     CHAT_ENDPOINT,
+    BenchServeError,
     RequestSettings,
     SampleRequest,
     arrival_offsets,
     benchmark,
-    build_samples,
     chunk_text,
     main,
     parse_sse_data,
@@ -31,14 +31,17 @@ from widellm.bench.serve import (
 
 MODEL_NAME = "fake-model"
 NUM_CHUNKS = 5
-# Each chunk stands for this many tokens, so the usage count differs from the chunk count.
+# Each chunk carries this many words (tokens of the word-level tokenizer), so the usage
+# count differs from the chunk count.
 TOKENS_PER_CHUNK = 2
+CHUNK_TEXT = " t1 t2"
 FIRST_DELAY_S = 0.05
 CHUNK_DELAY_S = 0.02
-SERVER_START_TIMEOUT_S = 10.0
-POLL_S = 0.01
 # How long the late server of the ready-check test stays unreachable.
 LATE_START_S = 1.0
+VOCAB = 300
+# What a request may carry when no flag asks for an extra: OpenAI's own fields.
+OPENAI_COMPLETION_KEYS = {"model", "prompt", "max_tokens", "stream", "stream_options"}
 
 
 def make_app(
@@ -64,8 +67,8 @@ def make_app(
                                                                    "content": ""}}]})
                 for i in range(NUM_CHUNKS):
                     await asyncio.sleep(FIRST_DELAY_S if i == 0 else CHUNK_DELAY_S)
-                    choice = ({"index": 0, "delta": {"content": "ab"}} if chat
-                              else {"index": 0, "text": "ab"})
+                    choice = ({"index": 0, "delta": {"content": CHUNK_TEXT}} if chat
+                              else {"index": 0, "text": CHUNK_TEXT})
                     yield sse({"choices": [choice], "usage": None})
                     if error_mid_stream:
                         yield sse({"error": {"message": "engine died"}})
@@ -85,7 +88,9 @@ def make_app(
         payload = await request.json()
         app.state.num_received += 1
         if fail_every and app.state.num_received % fail_every == 0:
-            return JSONResponse({"error": {"message": "bad request"}}, status_code=400)
+            # Pretty-printed, as some servers send it: the body spans several lines.
+            return Response(json.dumps({"error": {"message": "bad request"}}, indent=2),
+                            status_code=400, media_type="application/json")
         app.state.payloads.append(payload)
         app.state.in_flight += 1
         app.state.max_in_flight = max(app.state.max_in_flight, app.state.in_flight)
@@ -106,36 +111,6 @@ def make_app(
     return app
 
 
-def _bound_socket() -> socket.socket:
-    """A socket on a free 127.0.0.1 port, handed to uvicorn so no other process can take
-    the port between choosing and listening."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-@contextmanager
-def serve_app(app: FastAPI, sock: socket.socket | None = None):
-    """Run ``app`` in a background thread (on ``sock`` if given); yield its base URL; always
-    stop the thread."""
-    sock = sock or _bound_socket()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(POLL_S)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(SERVER_START_TIMEOUT_S)
-        sock.close()
-        assert not thread.is_alive(), "server thread did not stop"
-
-
 @pytest.fixture
 def fake_server():
     """Start fake servers on demand (``start(app) -> base_url``), all stopped at teardown
@@ -144,10 +119,17 @@ def fake_server():
         yield lambda app: stack.enter_context(serve_app(app))
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_cli_args(parser)
-    return parser.parse_args([*argv, "--disable-tqdm"])
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("word_tokenizer")
+    word_level_tokenizer(path, VOCAB)
+    return str(path)
+
+
+def _token_id_args(base_url: str, *argv: str):
+    """A run of token-id prompts (no tokenizer needed) against ``base_url``."""
+    return parse_bench_args("--base-url", base_url, "--token-id-prompts", "--vocab-size", "500",
+                            *argv)
 
 
 def test_parse_sse_data_and_chunk_text():
@@ -163,13 +145,21 @@ def test_parse_sse_data_and_chunk_text():
     assert chunk_text({"choices": [], "usage": {"completion_tokens": 3}}) == ""
 
 
-def test_arrival_offsets_are_seeded_poisson_or_all_at_once():
-    assert arrival_offsets(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
-    offsets = arrival_offsets(200, 50.0, seed=1)
-    assert offsets == arrival_offsets(200, 50.0, seed=1)
-    assert offsets != arrival_offsets(200, 50.0, seed=2)
+def test_arrival_offsets_are_seeded_gamma_or_all_at_once():
+    assert arrival_offsets(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+    offsets = arrival_offsets(2000, 50.0, seed=1)
+    assert offsets == arrival_offsets(2000, 50.0, seed=1)
+    assert offsets != arrival_offsets(2000, 50.0, seed=2)
     assert offsets[0] == 0.0
     assert all(b > a for a, b in zip(offsets, offsets[1:]))
+    assert offsets[-1] / 1999 == pytest.approx(1 / 50.0, rel=0.1)  # mean gap 1 / rate
+    # Infinite burstiness: evenly spaced; burstier arrivals keep the mean gap.
+    assert arrival_offsets(4, 10.0, seed=0, burstiness=math.inf) == pytest.approx(
+        [0.0, 0.1, 0.2, 0.3])
+    bursty = arrival_offsets(2000, 50.0, seed=1, burstiness=0.25)
+    assert bursty[-1] / 1999 == pytest.approx(1 / 50.0, rel=0.2)
+    gaps = [b - a for a, b in zip(bursty, bursty[1:])]
+    assert max(gaps) > max(b - a for a, b in zip(offsets, offsets[1:]))
 
 
 def test_main_measures_streamed_requests_and_writes_json(fake_server, tmp_path):
@@ -177,24 +167,27 @@ def test_main_measures_streamed_requests_and_writes_json(fake_server, tmp_path):
     base_url = fake_server(app)
     out = tmp_path / "result.json"
     num_prompts, input_len, vocab = 4, 8, 1000
-    result = main(_args(
-        "--base-url", base_url, "--vocab-size", str(vocab), "--num-prompts", str(num_prompts),
-        "--input-len", str(input_len), "--output-len", str(NUM_CHUNKS * TOKENS_PER_CHUNK),
-        "--request-rate", "100", "--seed", "3", "--output-json", str(out),
+    output_len = NUM_CHUNKS * TOKENS_PER_CHUNK
+    result = main(parse_bench_args(
+        "--base-url", base_url, "--token-id-prompts", "--vocab-size", str(vocab),
+        "--num-prompts", str(num_prompts), "--input-len", str(input_len),
+        "--output-len", str(output_len), "--request-rate", "100", "--seed", "3",
+        "--fixed-output-len", "--temperature", "0", "--save-detailed",
+        "--output-json", str(out),
     ))
-    assert result["model"] == MODEL_NAME  # found through /v1/models
+    assert result["model_id"] == MODEL_NAME  # found through /v1/models
     assert (result["completed"], result["failed"]) == (num_prompts, 0)
     assert result["total_input_tokens"] == num_prompts * input_len
-    assert result["total_output_tokens"] == num_prompts * NUM_CHUNKS * TOKENS_PER_CHUNK
+    assert result["total_output_tokens"] == num_prompts * output_len
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert result["request_rate"] == 100.0
+    assert result["errors"] == [""] * num_prompts
+    assert all(t >= FIRST_DELAY_S for t in result["ttfts"])
+    assert [len(gaps) for gaps in result["itls"]] == [NUM_CHUNKS - 1] * num_prompts
     min_e2e = FIRST_DELAY_S + (NUM_CHUNKS - 1) * CHUNK_DELAY_S
-    for rec in result["requests"]:
-        assert rec["success"] and rec["error"] == ""
-        assert rec["ttft"] >= FIRST_DELAY_S
-        assert len(rec["itl"]) == NUM_CHUNKS - 1
-        assert rec["latency"] >= min_e2e
-        assert rec["output_tokens"] == NUM_CHUNKS * TOKENS_PER_CHUNK
+    assert all(lat >= min_e2e for lat in result["latencies"])
+    assert result["output_lens"] == [output_len] * num_prompts
+    assert result["generated_texts"] == [CHUNK_TEXT * NUM_CHUNKS] * num_prompts
     assert result["mean_ttft_ms"] >= FIRST_DELAY_S * 1000
     assert result["num_warmups"] == 0
     # First the untimed test prompt, drawn after the timed ones; then the timed prompts.
@@ -203,48 +196,65 @@ def test_main_measures_streamed_requests_and_writes_json(fake_server, tmp_path):
     assert sorted(p["prompt"] for p in app.state.payloads[1:]) == sorted(prompts[:-1])
     first = app.state.payloads[0]
     assert first["model"] == MODEL_NAME
-    assert first["max_tokens"] == first["min_tokens"] == NUM_CHUNKS * TOKENS_PER_CHUNK
+    # Asked for: exact output lengths and greedy sampling.
+    assert first["max_tokens"] == first["min_tokens"] == output_len
     assert first["ignore_eos"] is True and first["temperature"] == 0.0
     assert first["stream"] is True and first["stream_options"] == {"include_usage": True}
 
 
+def test_default_requests_are_text_with_openai_fields_only(fake_server, tokenizer_dir):
+    app = make_app()
+    result = main(parse_bench_args("--base-url", fake_server(app), "--tokenizer", tokenizer_dir,
+                                   "--num-prompts", "3", "--random-input-len", "6",
+                                   "--random-output-len", "4"))
+    assert result["completed"] == 3 and result["tokenizer_id"] == tokenizer_dir
+    for payload in app.state.payloads:
+        assert set(payload) == OPENAI_COMPLETION_KEYS
+        words = payload["prompt"].split()
+        assert len(words) == 6 and all(w.startswith("t") for w in words)
+        assert payload["max_tokens"] == 4
+
+
 def test_failed_requests_are_counted_not_raised(fake_server):
     app = make_app(fail_every=2)
-    result = main(_args("--base-url", fake_server(app), "--model", MODEL_NAME,
-                        "--vocab-size", "500", "--num-prompts", "6", "--input-len", "4",
-                        "--output-len", "3", "--ready-check-timeout-sec", "0"))
+    result = main(_token_id_args(fake_server(app), "--model", MODEL_NAME, "--num-prompts", "6",
+                                 "--input-len", "4", "--output-len", "3", "--save-detailed",
+                                 "--ready-check-timeout-sec", "0"))
     assert (result["completed"], result["failed"]) == (3, 3)
-    failed = [r for r in result["requests"] if not r["success"]]
-    assert all(r["error"].startswith("HTTP 400") for r in failed)
+    failed = [e for e in result["errors"] if e]
+    # The server's multi-line error body is kept on one line.
+    assert len(failed) == 3 and all(e.startswith('HTTP 400: { "error": { "message": "bad')
+                                    and "\n" not in e for e in failed)
     # Only successes count: 3 requests of NUM_CHUNKS * TOKENS_PER_CHUNK tokens.
     assert result["total_output_tokens"] == 3 * NUM_CHUNKS * TOKENS_PER_CHUNK
+    assert sorted(result["output_lens"]) == [0] * 3 + [NUM_CHUNKS * TOKENS_PER_CHUNK] * 3
 
 
 def test_error_event_inside_the_stream_fails_the_request(fake_server):
     app = make_app(error_mid_stream=True)
-    result = main(_args("--base-url", fake_server(app), "--model", MODEL_NAME,
-                        "--vocab-size", "500", "--num-prompts", "2", "--input-len", "4",
-                        "--output-len", "3", "--ready-check-timeout-sec", "0"))
+    result = main(_token_id_args(fake_server(app), "--model", MODEL_NAME, "--num-prompts", "2",
+                                 "--input-len", "4", "--output-len", "3", "--save-detailed",
+                                 "--ready-check-timeout-sec", "0"))
     assert (result["completed"], result["failed"]) == (0, 2)
-    assert all("engine died" in r["error"] for r in result["requests"])
+    assert all("engine died" in e for e in result["errors"])
 
 
 def test_unreachable_server_fails_every_request():
-    sock = _bound_socket()  # bound, never listening: connections are refused
+    sock = bound_socket()  # bound, never listening: connections are refused
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
-        result = main(_args("--base-url", url, "--model", MODEL_NAME, "--vocab-size", "500",
-                            "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
-                            "--ready-check-timeout-sec", "0"))
+        result = main(_token_id_args(url, "--model", MODEL_NAME, "--num-prompts", "2",
+                                     "--input-len", "4", "--output-len", "2", "--save-detailed",
+                                     "--ready-check-timeout-sec", "0"))
     finally:
         sock.close()
     assert (result["completed"], result["failed"]) == (0, 2)
-    assert all(r["error"].startswith("ConnectError") for r in result["requests"])
+    assert all(e.startswith("ConnectError") for e in result["errors"])
 
 
 def test_ready_check_waits_for_a_server_that_starts_late():
     app = make_app()
-    sock = _bound_socket()  # refuses connections until uvicorn listens on it
+    sock = bound_socket()  # refuses connections until uvicorn listens on it
     settings = RequestSettings(api_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions",
                                model=MODEL_NAME, output_len=NUM_CHUNKS)
     stop = threading.Event()
@@ -269,14 +279,14 @@ def test_ready_check_waits_for_a_server_that_starts_late():
 
 
 def test_ready_check_gives_up_on_a_server_that_never_listens():
-    sock = _bound_socket()
+    sock = bound_socket()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     start = time.monotonic()
     try:
-        with pytest.raises(RuntimeError, match="initial test request .* ConnectError"):
-            main(_args("--base-url", url, "--model", MODEL_NAME, "--vocab-size", "500",
-                       "--num-prompts", "2", "--input-len", "4", "--output-len", "2",
-                       "--ready-check-timeout-sec", "2"))
+        with pytest.raises(BenchServeError, match="initial test request .* ConnectError"):
+            main(_token_id_args(url, "--model", MODEL_NAME, "--num-prompts", "2",
+                                "--input-len", "4", "--output-len", "2",
+                                "--ready-check-timeout-sec", "2"))
     finally:
         sock.close()
     assert time.monotonic() - start < SERVER_START_TIMEOUT_S
@@ -284,32 +294,36 @@ def test_ready_check_gives_up_on_a_server_that_never_listens():
 
 def test_ready_check_fails_at_once_when_the_server_rejects_the_request(fake_server):
     app = make_app(fail_every=1)
-    with pytest.raises(RuntimeError, match="HTTP 400: .*bad request"):
-        main(_args("--base-url", fake_server(app), "--model", MODEL_NAME, "--vocab-size",
-                   "500", "--num-prompts", "3", "--input-len", "4", "--output-len", "2"))
+    with pytest.raises(BenchServeError, match="HTTP 400: .*bad request") as error:
+        main(_token_id_args(fake_server(app), "--model", MODEL_NAME, "--num-prompts", "3",
+                            "--input-len", "4", "--output-len", "2"))
+    assert "\n" not in str(error.value)
     assert app.state.num_received == 1  # no retry, no timed request
 
 
 def test_warmups_are_untimed_and_use_their_own_prompts(fake_server):
     app = make_app()
     num_prompts, num_warmups, input_len, vocab = 3, 4, 5, 700
-    result = main(_args("--base-url", fake_server(app), "--model", MODEL_NAME, "--vocab-size",
-                        str(vocab), "--num-prompts", str(num_prompts), "--input-len",
-                        str(input_len), "--output-len", "2", "--num-warmups", str(num_warmups),
-                        "--max-concurrency", "2", "--seed", "5"))
+    result = main(parse_bench_args(
+        "--base-url", fake_server(app), "--model", MODEL_NAME, "--token-id-prompts",
+        "--vocab-size", str(vocab), "--num-prompts", str(num_prompts), "--input-len",
+        str(input_len), "--output-len", "2", "--num-warmups", str(num_warmups),
+        "--max-concurrency", "2", "--seed", "5"))
     assert result["num_warmups"] == num_warmups
-    assert (result["completed"], len(result["requests"])) == (num_prompts, num_prompts)
+    assert (result["completed"], len(result["latencies"])) == (num_prompts, num_prompts)
     prompts = random_token_prompts(num_prompts + 1 + num_warmups, input_len, vocab, seed=5)
     sent = [p["prompt"] for p in app.state.payloads]
     assert sent[0] == prompts[num_prompts]  # the test prompt
     assert sorted(sent[1:1 + num_warmups]) == sorted(prompts[num_prompts + 1:])
     assert sorted(sent[1 + num_warmups:]) == sorted(prompts[:num_prompts])
     assert app.state.max_in_flight == 2
+    assert result["max_concurrent_requests"] == 2
 
 
 def test_negative_warmups_are_rejected():
     with pytest.raises(ValueError, match="--num-warmups"):
-        main(_args("--model", MODEL_NAME, "--vocab-size", "500", "--num-warmups", "-1"))
+        main(parse_bench_args("--model", MODEL_NAME, "--vocab-size", "500",
+                              "--num-warmups", "-1"))
 
 
 def test_chat_without_usage_counts_chunks_and_honours_max_concurrency(fake_server):
@@ -321,44 +335,48 @@ def test_chat_without_usage_counts_chunks_and_honours_max_concurrency(fake_serve
     assert [r.success for r in records] == [True] * 4
     # No usage chunk: one token per content chunk; the empty role chunk is not a token.
     assert [r.output_tokens for r in records] == [NUM_CHUNKS] * 4
+    assert [r.usage_reported for r in records] == [False] * 4
     assert [len(r.itl) for r in records] == [NUM_CHUNKS - 1] * 4
     assert all(r.ttft >= FIRST_DELAY_S for r in records)
     assert app.state.max_in_flight == 2
+    # The second wave waited for a slot.
+    assert sorted(r.queue_time for r in records)[-1] >= FIRST_DELAY_S
     # Two waves of two requests, each at least the stream's own duration.
     assert duration >= 2 * (FIRST_DELAY_S + (NUM_CHUNKS - 1) * CHUNK_DELAY_S)
     payload = app.state.payloads[0]
     assert payload["messages"] == [{"role": "user", "content": "hello there"}]
     assert payload["max_completion_tokens"] == payload["max_tokens"] == NUM_CHUNKS
-    assert "prompt" not in payload
+    assert "prompt" not in payload and "ignore_eos" not in payload
 
 
-def test_chat_needs_a_tokenizer():
-    args = _args("--endpoint", CHAT_ENDPOINT, "--vocab-size", "500", "--model", "m")
-    with pytest.raises(ValueError, match="--tokenizer"):
-        build_samples(args, is_chat=True)
+def test_without_usage_a_run_counts_output_with_the_tokenizer(fake_server, tokenizer_dir):
+    app = make_app(send_usage=False)
+    result = main(parse_bench_args(
+        "--base-url", fake_server(app), "--backend", "openai-chat", "--tokenizer", tokenizer_dir,
+        "--num-prompts", "2", "--random-input-len", "5", "--random-output-len", "3"))
+    assert result["endpoint"] == CHAT_ENDPOINT
+    # The chunks carry two words each: counted by the tokenizer, not one per chunk.
+    assert result["total_output_tokens"] == 2 * NUM_CHUNKS * TOKENS_PER_CHUNK
+    assert result["total_input_tokens"] == 2 * 5  # the sampled lengths, without usage
 
 
-def _word_level_tokenizer(path, vocab_size: int) -> None:
-    """A tokenizer folder whose token i is the word ``t{i}``, so decoded text is checkable."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def test_output_that_decodes_to_nothing_arrives_with_its_finish_chunk(fake_server):
+    """Every token decoded to '' (special tokens, cut UTF-8), so the server sends no text:
+    the finish chunk marks the output's arrival and usage gives its length."""
+    app = FastAPI()
 
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(path)
+    @app.post("/v1/completions")
+    async def completions():
+        async def gen():
+            await asyncio.sleep(FIRST_DELAY_S)
+            for obj in ({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+                        {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}):
+                yield f"data: {json.dumps(obj)}\n\n"
+            yield "data: [DONE]\n\n"
 
+        return StreamingResponse(gen(), media_type="text/event-stream")
 
-def test_prompts_from_a_tokenizer_folder(tmp_path):
-    vocab = 300
-    _word_level_tokenizer(tmp_path, vocab)
-    common = ("--tokenizer", str(tmp_path), "--num-prompts", "3", "--input-len", "5",
-              "--seed", "7")
-    expected = random_token_prompts(3, 5, vocab, seed=7)
-    # Completions: ids as they are, the vocabulary size taken from the tokenizer.
-    samples = build_samples(_args(*common), is_chat=False)
-    assert [s.prompt for s in samples] == expected
-    assert [s.prompt_len for s in samples] == [5, 5, 5]
-    # Chat: the same ids decoded to text.
-    samples = build_samples(_args(*common, "--endpoint", CHAT_ENDPOINT), is_chat=True)
-    assert [s.prompt for s in samples] == [" ".join(f"t{i}" for i in p) for p in expected]
+    settings = RequestSettings(api_url=fake_server(app) + "/v1/completions", model=MODEL_NAME)
+    (record,), _ = asyncio.run(benchmark(settings, [SampleRequest([1, 2], 2, 3)]))
+    assert record.success and (record.output_tokens, record.generated_text) == (3, "")
+    assert record.ttft >= FIRST_DELAY_S and record.itl == []

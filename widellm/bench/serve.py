@@ -1,192 +1,86 @@
 """``widellm bench serve``: an asyncio load generator for any OpenAI-compatible server
-(widellm, ``vllm serve``, SGLang, ...).
+(widellm, ``vllm serve``, SGLang, ...), with the flags and result JSON of ``vllm bench serve``.
 
 Every request streams, so the client sees each token chunk arrive: time to first token,
 inter-token gaps and end-to-end latency are measured per request, then summarised by
-:mod:`widellm.bench.serve_metrics`. Prompts are random token ids (the same list on every
-engine); ``ignore_eos`` plus ``min_tokens`` make every engine generate exactly
-``--output-len`` tokens. A failed request is recorded, never raised.
+:mod:`widellm.bench.serve_metrics`. Prompts are text by default (random token ids decoded,
+as vLLM does), and requests carry only OpenAI's fields unless a flag asks for an extra
+(:mod:`widellm.bench.serve_request`). A failed request is recorded, never raised.
 
 As in ``vllm bench serve``, one prompt is sent alone before the timed run (retried while
-the server is not yet listening) so that a misconfigured run stops early and no engine's
-first-request costs land in the timings; ``--num-warmups`` adds untimed requests at the
-run's concurrency. Their prompts are drawn after the timed ones, so they never give a timed
-prompt a prefix-cache hit.
+the server is not yet listening) so that a misconfigured run stops early, with a one-line
+error, and no engine's first-request costs land in the timings; ``--num-warmups`` adds
+untimed requests at the run's concurrency. Their prompts are drawn after the timed ones, so
+they never give a timed prompt a prefix-cache hit.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import logging
 import math
 import os
 import random
+import sys
 import time
-from dataclasses import asdict, dataclass
 from datetime import datetime
-from http import HTTPStatus
 
 import httpx
 from tqdm.auto import tqdm
 
-from widellm.bench.datasets import random_token_prompts
-from widellm.bench.serve_metrics import (
-    RequestRecord,
-    compute_metrics,
-    format_summary,
-    metrics_to_dict,
+from widellm.bench.datasets import (
+    SampleRequest, prefix_repetition_samples, random_samples, sharegpt_samples,
 )
+from widellm.bench.serve_args import (
+    API_KEY_ENV, DEFAULT_READY_CHECK_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, resolve_args,
+)
+from widellm.bench.serve_metrics import RequestRecord, compute_metrics, format_summary
+from widellm.bench.serve_request import (
+    CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, MODELS_ENDPOINT, RequestSettings, build_payload,
+    chunk_text, one_line, parse_sse_data, send_request,
+)
+from widellm.bench.serve_result import DATE_FORMAT, build_result, result_path, write_result
 
-DEFAULT_BASE_URL = "http://127.0.0.1:8000"
-COMPLETIONS_ENDPOINT = "/v1/completions"
-CHAT_ENDPOINT = "/v1/chat/completions"
-MODELS_ENDPOINT = "/v1/models"
-API_KEY_ENV = "OPENAI_API_KEY"
-# Per request; long enough that only a hung server ever hits it.
-DEFAULT_REQUEST_TIMEOUT_S = 3600.0
-SSE_DATA_PREFIX = "data:"
-SSE_DONE = "[DONE]"
-# Longest server error body kept in a record, so one bad reply cannot bloat the JSON.
-MAX_ERROR_CHARS = 500
-DEFAULT_READY_CHECK_TIMEOUT_S = 600.0
+__all__ = [  # the names other modules and benchmarks/ scripts import from here
+    "API_KEY_ENV", "CHAT_ENDPOINT", "COMPLETIONS_ENDPOINT", "DEFAULT_READY_CHECK_TIMEOUT_S",
+    "DEFAULT_REQUEST_TIMEOUT_S", "MODELS_ENDPOINT", "BenchServeError", "RequestSettings",
+    "SampleRequest", "arrival_offsets", "benchmark", "build_payload", "build_samples",
+    "chunk_text", "fetch_first_model", "main", "parse_sse_data", "send_request",
+    "wait_until_ready",
+]
+
 READY_POLL_S = 1.0
 # How send_request reports a server that does not listen yet (httpx exception names): the
 # only failures the ready check waits out; any other means the run is misconfigured.
 NOT_LISTENING_ERRORS = ("ConnectError", "ConnectTimeout")
+# Streams of the arrival schedule and of the prefix-repetition run's untimed prompts, apart
+# from the prompts' own.
+UNTIMED_SEED_OFFSET = 1
 
 
-@dataclass(frozen=True)
-class SampleRequest:
-    """One prompt to send: token ids for completions, text for chat."""
+class BenchServeError(ValueError):
+    """A run that cannot start (server unreachable or rejecting the test request, no model,
+    no tokenizer). A ValueError so that the CLI prints it as one line, not a traceback."""
 
-    prompt: list[int] | str
-    prompt_len: int
-
-
-@dataclass(frozen=True)
-class RequestSettings:
-    """What every request of a run shares."""
-
-    api_url: str
-    model: str
-    output_len: int
-    temperature: float = 0.0
-    api_key: str | None = None
-    # A JSON schema every request's output must follow (response_format), or None.
-    json_schema: dict | None = None
-
-    @property
-    def is_chat(self) -> bool:
-        return self.api_url.rstrip("/").endswith("chat/completions")
-
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message, limit=len(message)))
 
 
-def build_payload(settings: RequestSettings, sample: SampleRequest) -> dict:
-    """The JSON body of one streaming request."""
-    payload: dict = {
-        "model": settings.model,
-        "max_tokens": settings.output_len,
-        # Both extras are vLLM/SGLang/widellm sampling fields: generate exactly output_len.
-        "min_tokens": settings.output_len,
-        "ignore_eos": True,
-        "temperature": settings.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if settings.is_chat:
-        payload["messages"] = [{"role": "user", "content": sample.prompt}]
-        # The newer OpenAI name for chat; servers that know only max_tokens ignore it.
-        payload["max_completion_tokens"] = settings.output_len
-    else:
-        payload["prompt"] = sample.prompt
-    if settings.json_schema is not None:
-        payload["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": "bench", "schema": settings.json_schema}}
-    return payload
-
-
-def parse_sse_data(line: str) -> str | None:
-    """The payload of an SSE ``data:`` line; None for blank, comment or other field lines."""
-    line = line.strip()
-    if not line.startswith(SSE_DATA_PREFIX):
-        return None
-    return line[len(SSE_DATA_PREFIX):].strip()
-
-
-def chunk_text(chunk: dict) -> str:
-    """Generated text carried by a completions or chat stream chunk ('' for none)."""
-    parts = []
-    for choice in chunk.get("choices") or []:
-        delta = choice.get("delta") or {}
-        # Reasoning models stream their thinking separately; it is still generated tokens.
-        parts.append(choice.get("text") or delta.get("content")
-                     or delta.get("reasoning_content") or "")
-    return "".join(parts)
-
-
-async def send_request(
-    client: httpx.AsyncClient, settings: RequestSettings, sample: SampleRequest
-) -> RequestRecord:
-    """Stream one request and time its chunks; any failure lands in ``record.error``."""
-    record = RequestRecord(prompt_len=sample.prompt_len)
-    num_chunks = 0
-    usage_tokens: int | None = None
-    start = last = time.perf_counter()
-    record.start_time = start
-    try:
-        async with client.stream("POST", settings.api_url, json=build_payload(settings, sample),
-                                 headers=settings.headers()) as response:
-            if response.status_code != HTTPStatus.OK:
-                body = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {body[:MAX_ERROR_CHARS]}"
-                return record
-            async for line in response.aiter_lines():
-                data = parse_sse_data(line)
-                if not data:
-                    continue
-                if data == SSE_DONE:
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    record.error = f"stream error: {str(chunk['error'])[:MAX_ERROR_CHARS]}"
-                    return record
-                now = time.perf_counter()
-                if chunk_text(chunk):
-                    if num_chunks == 0:
-                        record.ttft = now - start
-                    else:
-                        record.itl.append(now - last)
-                    last = now
-                    num_chunks += 1
-                usage = chunk.get("usage")
-                if usage:
-                    usage_tokens = usage.get("completion_tokens", usage_tokens)
-                    record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
-        record.latency = time.perf_counter() - start
-    except Exception as e:  # noqa: BLE001 -- one broken request must not end the benchmark
-        record.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
-        return record
-    if num_chunks == 0:
-        record.error = "stream ended without any generated text"
-        return record
-    record.output_tokens = usage_tokens if usage_tokens is not None else num_chunks
-    record.success = True
-    return record
-
-
-def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
-    """Seconds after the start at which each request is sent: a Poisson process of
-    ``request_rate`` per second (the first at 0), or all at 0 for an infinite rate."""
+def arrival_offsets(num_requests: int, request_rate: float, seed: int,
+                    burstiness: float = 1.0) -> list[float]:
+    """Seconds after the start at which each request is sent (the first at 0): gaps drawn
+    from a gamma distribution of mean 1 / ``request_rate`` and shape ``burstiness`` (1 is a
+    Poisson process, below 1 burstier, infinite evenly spaced), as in ``vllm bench serve``;
+    all at 0 for an infinite rate."""
     if math.isinf(request_rate):
         return [0.0] * num_requests
     rng = random.Random(seed)
     offsets, t = [], 0.0
     for i in range(num_requests):
         if i:
-            t += rng.expovariate(request_rate)
+            t += (1.0 / request_rate if math.isinf(burstiness)
+                  else rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)))
         offsets.append(t)
     return offsets
 
@@ -196,6 +90,7 @@ async def benchmark(
     samples: list[SampleRequest],
     *,
     request_rate: float = math.inf,
+    burstiness: float = 1.0,
     max_concurrency: int | None = None,
     seed: int = 0,
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
@@ -209,11 +104,13 @@ async def benchmark(
     progress = tqdm(total=len(samples), disable=disable_tqdm)
 
     async def one(client: httpx.AsyncClient, sample: SampleRequest) -> RequestRecord:
+        arrival = time.perf_counter()
         if limiter is None:
             record = await send_request(client, settings, sample)
         else:
             async with limiter:
                 record = await send_request(client, settings, sample)
+        record.queue_time = record.start_time - arrival
         progress.update(1)
         return record
 
@@ -222,7 +119,8 @@ async def benchmark(
         loop = asyncio.get_running_loop()
         start = loop.time()
         tasks = []
-        for offset, sample in zip(arrival_offsets(len(samples), request_rate, seed), samples):
+        offsets = arrival_offsets(len(samples), request_rate, seed, burstiness)
+        for offset, sample in zip(offsets, samples):
             # Sleep to an absolute deadline so scheduling delays do not accumulate.
             await asyncio.sleep(max(0.0, start + offset - loop.time()))
             tasks.append(asyncio.create_task(one(client, sample)))
@@ -238,7 +136,7 @@ async def wait_until_ready(
 ) -> RequestRecord:
     """Send ``sample`` alone until it succeeds; return its record. Retries only while the
     server does not listen, for at most ``timeout_s``; any other failure (an HTTP error, a
-    stream error) raises at once with the server's reason."""
+    stream error) raises BenchServeError at once with the server's reason."""
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout)) as client:
         while True:
@@ -247,77 +145,117 @@ async def wait_until_ready(
                 return record
             waiting = record.error.startswith(NOT_LISTENING_ERRORS)
             if not waiting or time.monotonic() + READY_POLL_S > deadline:
-                raise RuntimeError(f"the initial test request to {settings.api_url} failed: "
-                                   f"{record.error}")
+                raise BenchServeError(f"the initial test request to {settings.api_url} "
+                                      f"failed: {record.error}")
             await asyncio.sleep(READY_POLL_S)
 
 
 def fetch_first_model(base_url: str, api_key: str | None, timeout: float) -> str:
     """The id of the first model the server lists."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.get(base_url.rstrip("/") + MODELS_ENDPOINT, headers=headers,
-                         timeout=timeout)
-    response.raise_for_status()
-    models = response.json().get("data") or []
+    url = base_url.rstrip("/") + MODELS_ENDPOINT
+    try:
+        response = httpx.get(url, headers=headers, timeout=timeout)
+        response.raise_for_status()
+        models = response.json().get("data") or []
+    except (httpx.HTTPError, ValueError) as e:
+        raise BenchServeError(f"could not list the server's models at {url} (pass --model "
+                              f"to skip this): {type(e).__name__}: {e}") from None
     if not models:
-        raise RuntimeError(f"{base_url}{MODELS_ENDPOINT} lists no models; pass --model")
+        raise BenchServeError(f"{url} lists no models; pass --model")
     return models[0]["id"]
 
 
-def build_samples(
-    args: argparse.Namespace, is_chat: bool, num_untimed: int = 0
-) -> list[SampleRequest]:
-    """``--num-prompts`` random token-id prompts, then ``num_untimed`` more drawn after them
-    from the same seed (so the timed ones do not change); decoded to text for chat, which
-    needs a tokenizer."""
-    tokenizer_path = args.tokenizer
-    if tokenizer_path is None and args.model and os.path.exists(args.model):
-        tokenizer_path = args.model
-    if tokenizer_path is None and (is_chat or args.vocab_size is None):
-        need = "chat prompts are decoded" if is_chat else "the vocabulary size is unknown"
-        raise ValueError(f"pass --tokenizer ({need}; --vocab-size alone serves completions)")
-    tokenizer = None
-    if tokenizer_path is not None:
-        from widellm.engine.tokenizer import get_tokenizer
+def resolve_tokenizer_id(args: argparse.Namespace, model_id: str) -> str | None:
+    """The tokenizer to build prompts and count tokens with: ``--tokenizer``, else
+    ``--model`` or the server's model when it is a local path (as vLLM uses the model's),
+    else widellm's default model's; None for token-id prompts with ``--vocab-size``."""
+    from widellm.model.default_model import DEFAULT_MODEL_NAME
 
-        tokenizer = get_tokenizer(tokenizer_path)
-    vocab_size = args.vocab_size if args.vocab_size is not None else len(tokenizer)
-    ids = random_token_prompts(args.num_prompts + num_untimed, args.input_len, vocab_size,
-                               args.seed)
-    if is_chat:
-        return [SampleRequest(tokenizer.decode(p), args.input_len) for p in ids]
-    return [SampleRequest(p, args.input_len) for p in ids]
+    if args.tokenizer is not None:
+        return args.tokenizer
+    for candidate in (args.model, model_id):
+        if candidate and (os.path.exists(candidate) or candidate == DEFAULT_MODEL_NAME):
+            return candidate
+    if args.token_id_prompts and args.vocab_size is not None:
+        return None
+    print(f"No local tokenizer for model {model_id!r}: prompts and token counts use "
+          f"{DEFAULT_MODEL_NAME}'s (pass --tokenizer to choose one)")
+    return DEFAULT_MODEL_NAME
 
 
-def _validate(args: argparse.Namespace) -> None:
-    positive = {"--num-prompts": args.num_prompts, "--input-len": args.input_len,
-                "--output-len": args.output_len, "--request-rate": args.request_rate,
-                "--request-timeout": args.request_timeout}
-    at_least_zero = {"--ready-check-timeout-sec": args.ready_check_timeout_sec,
-                     "--num-warmups": args.num_warmups}
-    if args.max_concurrency is not None:
-        positive["--max-concurrency"] = args.max_concurrency
-    for flag, value in positive.items():
-        if not value > 0:
-            raise ValueError(f"{flag} must be positive, got {value}")
-    for flag, value in at_least_zero.items():
-        if not value >= 0:
-            raise ValueError(f"{flag} must be at least 0, got {value}")
+def load_tokenizer(tokenizer_id: str | None):
+    if tokenizer_id is None:
+        return None
+    from widellm.engine.tokenizer import get_tokenizer
+
+    try:
+        return get_tokenizer(tokenizer_id)
+    except (OSError, ValueError) as e:
+        raise BenchServeError(f"cannot load tokenizer {tokenizer_id!r}: {e}") from None
+
+
+def build_samples(args: argparse.Namespace, tokenizer,
+                  num_untimed: int = 0) -> tuple[list[SampleRequest], list[SampleRequest]]:
+    """The ``--num-prompts`` timed prompts of ``--dataset-name``, and ``num_untimed`` more
+    that share no prefix with them (drawn after them from the same seed, or, for
+    prefix_repetition, random prompts of the same length from another seed)."""
+    num = args.num_prompts
+    if args.dataset_name == "sharegpt":
+        samples = sharegpt_samples(
+            args.dataset_path, num + num_untimed, tokenizer, seed=args.seed,
+            output_len=args.sharegpt_output_len, shuffle=not args.disable_shuffle,
+            oversample=not args.no_oversample)
+        return samples[:num], samples[num:]
+    random_kwargs = dict(input_len=args.random_input_len, output_len=args.random_output_len,
+                         range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len,
+                         vocab_size=args.vocab_size, tokenizer=tokenizer,
+                         as_text=not args.token_id_prompts)
+    if args.dataset_name == "random":
+        samples = random_samples(num + num_untimed, seed=args.seed, **random_kwargs)
+        return samples[:num], samples[num:]
+    timed = prefix_repetition_samples(
+        num, tokenizer, prefix_len=args.prefix_repetition_prefix_len,
+        suffix_len=args.prefix_repetition_suffix_len,
+        num_prefixes=args.prefix_repetition_num_prefixes,
+        output_len=args.prefix_repetition_output_len, seed=args.seed,
+        shuffle=not args.disable_shuffle)
+    random_kwargs.update(
+        input_len=args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len,
+        output_len=args.prefix_repetition_output_len, range_ratio=0.0, prefix_len=0)
+    return timed, random_samples(num_untimed, seed=args.seed + UNTIMED_SEED_OFFSET,
+                                 **random_kwargs)
+
+
+def recount_output_tokens(records: list[RequestRecord], tokenizer) -> None:
+    """Where the server sent no usage, count the generated text with the tokenizer (as vLLM
+    does) rather than trusting one token per chunk."""
+    if tokenizer is None:
+        return
+    for r in records:
+        if r.success and not r.usage_reported:
+            r.output_tokens = len(tokenizer.encode(r.generated_text, add_special_tokens=False))
 
 
 def main(args: argparse.Namespace) -> dict:
-    """Run the benchmark described by ``args``; print the summary and return it (with the
-    per-request records under ``"requests"``), also written to ``--output-json``."""
-    _validate(args)
-    model = args.model or fetch_first_model(args.base_url, args.api_key, args.request_timeout)
+    """Run the benchmark described by ``args``; print the summary and return the result
+    dict (vLLM's keys), also written where ``--save-result``/``--output-json`` say."""
+    resolve_args(args)
+    # httpx logs every request at INFO: thousands of lines that would bury the summary and
+    # turn a one-line error into several.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    model_id = args.model or fetch_first_model(args.base_url, args.api_key,
+                                               args.request_timeout)
+    tokenizer_id = resolve_tokenizer_id(args, model_id)
+    tokenizer = load_tokenizer(tokenizer_id)
     settings = RequestSettings(
-        api_url=args.base_url.rstrip("/") + args.endpoint, model=model,
-        output_len=args.output_len, temperature=args.temperature, api_key=args.api_key,
-        json_schema=args.json_schema,
+        api_url=args.base_url + args.endpoint, model=args.served_model_name or model_id,
+        api_key=args.api_key, json_schema=args.json_schema, ignore_eos=args.ignore_eos,
+        fixed_output_len=args.fixed_output_len, logprobs=args.logprobs,
+        extra_body=args.request_extra_body, extra_headers=args.extra_headers,
     )
-    samples = build_samples(args, settings.is_chat, num_untimed=1 + args.num_warmups)
-    samples, test_sample, warmups = (samples[:args.num_prompts], samples[args.num_prompts],
-                                     samples[args.num_prompts + 1:])
+    samples, untimed = build_samples(args, tokenizer, num_untimed=1 + args.num_warmups)
+    test_sample, warmups = untimed[0], untimed[1:]
     if args.ready_check_timeout_sec > 0:
         print(f"Sending one test prompt to {settings.api_url} ...")
         asyncio.run(wait_until_ready(settings, test_sample, args.ready_check_timeout_sec,
@@ -326,38 +264,27 @@ def main(args: argparse.Namespace) -> dict:
         print(f"Warming up with {len(warmups)} requests ...")
         asyncio.run(benchmark(settings, warmups, max_concurrency=args.max_concurrency,
                               request_timeout=args.request_timeout))
-    print(f"Benchmarking {settings.api_url} (model {model}): {len(samples)} prompts, "
-          f"request rate {args.request_rate}, max concurrency {args.max_concurrency}")
+    print(f"Benchmarking {settings.api_url} (model {settings.model}): {len(samples)} prompts "
+          f"of {args.dataset_name}, request rate {args.request_rate}, burstiness "
+          f"{args.burstiness}, max concurrency {args.max_concurrency}")
     records, duration = asyncio.run(benchmark(
-        settings, samples, request_rate=args.request_rate,
+        settings, samples, request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, seed=args.seed,
         request_timeout=args.request_timeout, disable_tqdm=args.disable_tqdm,
     ))
-    metrics = compute_metrics(records, duration)
-    print(format_summary(metrics))
+    recount_output_tokens(records, tokenizer)
+    metrics = compute_metrics(records, duration, args.percentiles, args.goodput_slos)
+    print(format_summary(metrics, args.selected_metrics, args.max_concurrency,
+                         args.request_rate))
     if metrics.failed:
         first_error = next(r.error for r in records if not r.success)
         print(f"{metrics.failed} request(s) failed; the first: {first_error}")
-    result = {
-        "date": datetime.now().isoformat(timespec="seconds"),
-        "base_url": args.base_url,
-        "endpoint": args.endpoint,
-        "model": model,
-        "dataset": args.dataset,
-        "num_prompts": args.num_prompts,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        # JSON has no infinity; keep the flag's spelling.
-        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
-        "max_concurrency": args.max_concurrency,
-        "seed": args.seed,
-        "num_warmups": args.num_warmups,
-        **metrics_to_dict(metrics),
-        "requests": [asdict(r) for r in records],
-    }
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    date = datetime.now().strftime(DATE_FORMAT)
+    result = build_result(args, date=date, model_id=model_id, tokenizer_id=tokenizer_id,
+                          records=records, metrics=metrics)
+    if path := result_path(args, model_id, date):
+        write_result(path, result, append=args.append_result and not args.output_json)
+        print(f"Result written to {path}")
     return result
 
 
@@ -367,7 +294,11 @@ def _cli() -> None:
     parser = argparse.ArgumentParser(prog="python -m widellm.bench.serve",
                                      description=__doc__.splitlines()[0])
     add_cli_args(parser)
-    main(parser.parse_args())
+    try:
+        main(parser.parse_args())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
