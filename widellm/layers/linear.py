@@ -120,46 +120,6 @@ def _storage_refs(model: nn.Module) -> dict[int, int]:
 
 
 def pack_linear_weights(model: nn.Module, enabled: bool | None = None) -> int:
-    """Pack every plain ``nn.Linear`` of ``model`` whose weight is bf16 or fp32 on CPU, of a
-    dtype oneDNN computes here (:func:`packed_linear_available`), and not shared.
-
-    Run it after the weights are loaded and every ``process_weights_after_loading`` hook has
-    run: nothing may read a packed module's ``weight`` afterwards (calling the module is fine).
-    Subclasses of ``nn.Linear`` are left alone (their forward may do more than ``x W^T + b``),
-    and so is any ``Linear`` whose weight storage another tensor of the model also holds.
-
-    Args:
-        model: the loaded model, in eval use (the packed op has no backward).
-        enabled: None reads :data:`PACKED_LINEAR_ENV`.
-
-    Returns:
-        How many modules were packed (0 when disabled or oneDNN cannot run the dtypes here).
-    """
-    if enabled is None:
-        enabled = packed_linear_enabled()
-    if not enabled:
-        return 0
-    available = {dtype: packed_linear_available(dtype) for dtype in PACKABLE_DTYPES}
-
-    def packable(m: nn.Module) -> bool:
-        return type(m) is nn.Linear and can_pack(m.weight) and available[m.weight.dtype]
-
-    refs = _storage_refs(model)
-    targets = [
-        m for m in model.modules()
-        if packable(m) and refs[m.weight.untyped_storage().data_ptr()] == 1
-    ]
-    # The LM head is the largest matmul of a small model's decode step: when it is tied to the
-    # embedding it gets its own packed copy (the embedding keeps the plain weight).
-    lm_head = getattr(model, "lm_head", None)
-    if packable(lm_head) and lm_head not in targets:
-        targets.append(lm_head)
-    for m in targets:
-        pack_linear(m)
-    return len(targets)
-
-
-def pack_linear_weights(model: nn.Module, enabled: bool | None = None) -> int:
     """Give the oneDNN-packed method to every plain ``Linear`` of ``model`` whose weight is
     bf16 or fp32 on CPU, of a dtype oneDNN computes here (:func:`packed_linear_available`), and
     not shared.
