@@ -114,7 +114,7 @@ def _check_through_proxy(model: str, prefill: ServerProcess, decode: ServerProce
     assert _metric(values, "widellm:kv_transfer_failures_total") == 0
     assert _metric(values, "widellm:kv_transfer_bytes_total", direction="recv") > 0
     for rank in map(str, range(ranks)):  # every decode rank got requests and loaded them
-        assert _metric(values, "widellm:kv_transfers_total", direction="recv", rank=rank) > 0
+        assert _metric(values, "widellm:kv_transfers_total", direction="recv", engine=rank) > 0
     wait_for_metric(prefill, "widellm:kv_transfers_total",
                     lambda v: v == sent_before + NUM_LOADS, direction="send")
     # Every held block went back once its decode pulled it or let it go.

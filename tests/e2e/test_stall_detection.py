@@ -51,7 +51,7 @@ def test_a_held_step_logs_a_stall_with_the_core_state_and_counts_it(server):
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == MAX_TOKENS
     # Every token waited one held step: one stall per token, each reported once.
-    stalls = _metric(_metrics(server), "widellm:request_stalls_total", rank="0") - before
+    stalls = _metric(_metrics(server), "widellm:request_stalls_total", engine="0") - before
     assert stalls == MAX_TOKENS
     lines = [m for m in STALL.findall(server.log()) if m[0].startswith(r.json()["id"])]
     assert len(lines) == MAX_TOKENS, server.log()

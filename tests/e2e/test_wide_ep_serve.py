@@ -64,8 +64,8 @@ def _concurrent_completions(url: str) -> list[str]:
 
 
 def _rank_samples(server: ServerProcess, name: str) -> dict[str, float]:
-    return {dict(labels)["rank"]: v for (n, labels), v in _metrics(server).items()
-            if n == name and "rank" in dict(labels)}
+    return {dict(labels)["engine"]: v for (n, labels), v in _metrics(server).items()
+            if n == name and "engine" in dict(labels)}
 
 
 def _engine_core_pids(server: ServerProcess) -> list[int]:
@@ -87,7 +87,7 @@ def dp2_server(model_dir, tmp_path_factory):
 
 def test_dp2_ep_serve_equals_single_rank(dp2_server, expected):
     assert _concurrent_completions(dp2_server.url) == expected
-    # Both ranks took requests, report with a rank label, and are idle again.
+    # Both ranks took requests, report with an engine label, and are idle again.
     finished = _rank_samples(dp2_server, "widellm:prefix_cache_queries_total")
     assert sorted(finished) == ["0", "1"] and all(v > 0 for v in finished.values())
     usage = _rank_samples(dp2_server, "widellm:kv_cache_usage_perc")

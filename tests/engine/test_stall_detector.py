@@ -14,6 +14,8 @@ from widellm.engine.metrics import EngineMetrics
 from widellm.engine.stall_detector import StallDetector
 
 TIMEOUT_S = 10.0
+NUM_ENGINES = 2
+MAX_MODEL_LEN = 128
 
 
 @pytest.fixture
@@ -23,13 +25,13 @@ def clock(monkeypatch):
     return now
 
 
-def _stalls(metrics: EngineMetrics, rank: str) -> float:
+def _stalls(metrics: EngineMetrics, engine: str) -> float:
     return metrics.registry.get_sample_value(
-        "widellm:request_stalls_total", {"model_name": "m", "rank": rank}) or 0.0
+        "widellm:request_stalls_total", {"model_name": "m", "engine": engine}) or 0.0
 
 
 def test_one_report_per_stall_with_the_core_state(clock, caplog):
-    metrics = EngineMetrics("m")
+    metrics = EngineMetrics("m", NUM_ENGINES, MAX_MODEL_LEN)
     ranks = {"a-0": 1, "a-1": 1}
     det = StallDetector(TIMEOUT_S, metrics, ranks.get)
     det.add("a", ["a-0", "a-1"])
@@ -56,7 +58,7 @@ def test_one_report_per_stall_with_the_core_state(clock, caplog):
 
 
 def test_unrouted_request_and_disabled_check(clock):
-    metrics = EngineMetrics("m")
+    metrics = EngineMetrics("m", NUM_ENGINES, MAX_MODEL_LEN)
     det = StallDetector(TIMEOUT_S, metrics, lambda _: None)
     det.add("b", ["b"])
     clock[0] += TIMEOUT_S

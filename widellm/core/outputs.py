@@ -47,6 +47,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # A finished prompt's KV connector parameters (a prefill instance's answer).
     kv_transfer_params: dict | None = None
+    # On the request's first output only (None after): when its engine core queued it and
+    # first scheduled it, in seconds of that core's clock, the clock of the batch timestamps
+    # its tokens arrive with, so the frontend's queue/prefill/decode intervals never mix
+    # two processes' clocks.
+    queued_ts: float | None = None
+    scheduled_ts: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,6 +72,10 @@ class EplbStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     num_rebalances: int = 0  # placements fully applied
     num_failed_rebalances: int = 0  # abandoned part-way; the old placement stayed in force
     max_stall_s: float = 0.0  # longest step delay caused by moving one layer's weights
+    total_stall_s: float = 0.0  # all step delays caused by moving expert weights, summed
     last_planned_balancedness: float = 0.0  # what the last plan expected on its window
     # (step, balancedness, rebalances applied by then) of the most recent measurements.
     history: list[tuple[int, float, int]] = []
+    # Tokens the experts placed on each EP rank computed in the latest measured window,
+    # summed over MoE layers (index = rank).
+    rank_load: list[float] = []

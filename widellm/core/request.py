@@ -61,7 +61,7 @@ class Request:
         "output_token_ids", "all_token_ids", "num_computed_tokens", "num_cached_tokens",
         "block_hashes", "status", "stop_reason", "max_tokens", "num_preemptions",
         "num_output_placeholders", "cache_salt", "kv_transfer_params", "num_external_tokens",
-        "grammar",
+        "grammar", "queued_ts", "scheduled_ts",
     )
 
     def __init__(
@@ -74,6 +74,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        queued_ts: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -96,6 +97,10 @@ class Request:
         self.num_external_tokens = 0
         # A structured output's compiled grammar, attached once compiled (engine core).
         self.grammar: Any = None
+        # On the engine core's clock: when it queued the request, and when the scheduler
+        # first admitted it (a preemption's re-admission keeps the first).
+        self.queued_ts = queued_ts
+        self.scheduled_ts: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

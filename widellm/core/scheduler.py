@@ -3,8 +3,9 @@
 Each request has ``num_computed_tokens`` and wants ``num_tokens - num_computed_tokens`` more.
 A step hands out a token budget (``max_num_batched_tokens``, at most ``max_num_seqs``
 requests): running requests first, in admission order, then waiting ones; any prompt that does
-not fit is chunked. When the KV pool runs dry, the most recently admitted running request is
-preempted (blocks freed, recomputed later from the front of the waiting queue).
+not fit is chunked (with ``enable_chunked_prefill`` off it waits for a step it fits). When the
+KV pool runs dry, the most recently admitted running request is preempted (blocks freed,
+recomputed later from the front of the waiting queue).
 
 With a KV connector (disaggregated prefill/decode, ``widellm.kv_transfer``): a request whose
 prompt KV can be loaded from a remote prefill gets its blocks, waits apart
@@ -15,7 +16,9 @@ prefill instance, a finished request's blocks are held until the connector repor
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from widellm.config import CacheConfig, SchedulerConfig
@@ -33,8 +36,10 @@ class Scheduler:
     def __init__(
         self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
         kv_connector: "KVConnectorScheduler | None" = None, kv_load_failure_policy: str = "fail",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = scheduler_config
+        self.clock = clock  # the engine core's: stamps a request's first admission
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -144,6 +149,8 @@ class Scheduler:
                         break  # no room for its blocks yet
                     if loading:
                         continue
+            if not self.config.enable_chunked_prefill and req.num_tokens - num_hit > budget:
+                break  # whole prompts only: it waits for a step with room for all of it
             num_new = min(req.num_tokens - num_hit, budget)
             new_blocks = self.kv_cache_manager.allocate_slots(req, num_new, hit_blocks)
             if new_blocks is None:
@@ -155,6 +162,8 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+            if req.scheduled_ts is None:
+                req.scheduled_ts = self.clock()
             self.running.append(req)
             new_reqs.append(NewRequestData(
                 req_id=req.request_id,
@@ -292,6 +301,7 @@ class Scheduler:
             if not new_ids and prompt_lp is None and not req.is_finished:
                 continue
             lp = runner_output.logprobs[idx] if runner_output.logprobs else None
+            first = req.num_output_tokens == len(new_ids)  # none of its tokens went out yet
             kv_params = None
             if req.is_finished:
                 self.running.remove(req)
@@ -305,6 +315,8 @@ class Scheduler:
                 stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 kv_transfer_params=kv_params,
+                queued_ts=req.queued_ts if first else None,
+                scheduled_ts=req.scheduled_ts if first else None,
             ))
         return outputs
 

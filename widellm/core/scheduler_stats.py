@@ -23,3 +23,6 @@ class SchedulerStats:
     num_dbo_steps: int = 0
     # KV connector counters (None without one); filled in by the engine core.
     kv_transfer: KVTransferStats | None = None
+    # Lockstep ranks: seconds spent waiting on peers' votes inside waves of steps and running
+    # dummy batches, since start (the engine core's clock).
+    lockstep_idle_s: float = 0.0

@@ -43,7 +43,6 @@ import zmq
 from widellm.config import EngineConfig
 from widellm.core.outputs import EngineCoreOutput, EplbStats
 from widellm.core.scheduler_stats import SchedulerStats
-from widellm.device import on_cuda
 from widellm.distributed.groups import DPGroups, destroy_dp_groups, init_dp_groups
 from widellm.distributed.lockstep import DPLockstep
 from widellm.engine.engine_core import EngineCore, EngineCoreRequest
@@ -101,6 +100,7 @@ class RequestKind(enum.IntEnum):
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
+    # When the batch went out, on the engine core's clock (that of its outputs' queued_ts).
     timestamp: float = 0.0
     engine_error: str | None = None
     dp_rank: int = 0
@@ -168,17 +168,17 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int,
     encoder = msgspec.msgpack.Encoder()
     groups = None
     try:
-        if on_cuda():
+        if config.on_cuda:
             torch.cuda.set_device((dp_rank - pc.data_parallel_start_rank) % torch.cuda.device_count())
         elif pc.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
             # Ranks on one machine share its cores; more threads than cores make every
             # rank's GEMMs and the lockstep collectives wait on the OS scheduler.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.local_size))
-        if not on_cuda():
+        if not config.on_cuda:
             _load_kernels(out, encoder, dp_rank)
         if pc.needs_lockstep:
             groups = init_dp_groups(dp_rank, pc.data_parallel_size, reply.store_host,
-                                    reply.store_port, pc.distributed_timeout_s)
+                                    reply.store_port, pc.distributed_timeout_s, config.device)
         core = EngineCore(config, groups)
         freeze_startup_heap(f"engine core {dp_rank}")
         endpoint = core.kv_worker.transfer_params() if core.kv_worker is not None else {}
@@ -346,7 +346,7 @@ class _CoreLoop:
         eplb = self.core.model_runner.eplb
         self.out.send(self.encoder.encode(EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.core.make_stats(),
-            timestamp=time.time(), dp_rank=self.dp_rank,
+            timestamp=self.core.clock(), dp_rank=self.dp_rank,
             step_breakdown=dict(timer.totals) if timer is not None else None,
             peak_rss_bytes=peak_rss_bytes(),
             eplb_stats=eplb.stats if eplb is not None else None,

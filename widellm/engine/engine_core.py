@@ -27,6 +27,7 @@ from widellm.distributed.groups import DPGroups
 from widellm.distributed.lockstep import DPLockstep, StepAgreement
 from widellm.engine.dbo_policy import DboPolicy
 from widellm.engine.kv_budget import determine_num_blocks
+from widellm.engine.planned_step import PlannedStep
 from widellm.engine.tokenizer import get_tokenizer
 from widellm.kv_transfer.registry import make_scheduler
 from widellm.model.loader import load_eos_token_ids
@@ -35,7 +36,7 @@ from widellm.step_timer import StepTimer, maybe_phase
 from widellm.structured_output.backend import StructuredOutputBackend
 from widellm.structured_output.manager import StructuredOutputManager
 from widellm.structured_output.registry import make_backend
-from widellm.worker.model_runner import DUMMY_BATCH_ROWS, ModelInput, ModelRunner
+from widellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 # Builds a rank's model runner: (config, EP context or None, step timer or None) -> runner.
@@ -58,29 +59,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: dict | None = None
 
 
-@dataclasses.dataclass
-class PlannedStep:
-    """A lockstep rank's next step, scheduled and prepared before the ranks vote on it.
-
-    Attributes:
-        scheduler_output: what the scheduler chose; None when this rank has no request (it
-            runs a dummy batch if the ranks step).
-        model_input: the forward's inputs; None when nothing was scheduled.
-    """
-
-    scheduler_output: SchedulerOutput | None
-    model_input: ModelInput | None
-
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler_output is not None
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of the forward this rank runs if the ranks step (its vote)."""
-        return self.model_input.num_rows if self.model_input is not None else DUMMY_BATCH_ROWS
-
-
 class EngineCore:
     """One rank's scheduler and model runner.
 
@@ -92,8 +70,8 @@ class EngineCore:
         runner_factory: builds the model runner from (config, EP context, step timer); the
             real :class:`ModelRunner` by default, a simulated one in a simulator.
         clock: seconds on a monotonic clock, for step and forward durations (they feed the
-            stats and DBO's auto policy); a simulator passes the virtual clock its runner
-            advances.
+            stats and DBO's auto policy) and requests' queued / first-scheduled stamps (the
+            frontend's phase times); a simulator passes the virtual clock its runner advances.
     """
 
     def __init__(self, config: EngineConfig, dp_groups: DPGroups | None = None,
@@ -115,7 +93,7 @@ class EngineCore:
                 num_redundant_experts=config.eplb_config.num_redundant_experts,
                 enable_eplb=config.eplb_config.enable_eplb,
             )
-        self.step_timer = (StepTimer(synchronize=True)
+        self.step_timer = (StepTimer(synchronize=config.on_cuda)
                            if config.observability_config.collect_step_breakdown else None)
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Async scheduling: steps submitted to the runner thread, oldest first. With
@@ -141,7 +119,7 @@ class EngineCore:
             config.scheduler_config, config.cache_config, num_blocks,
             make_scheduler(kvt, config.cache_config.block_size, self.kv_worker)
             if self.kv_worker is not None else None,
-            kvt.kv_load_failure_policy if kvt is not None else "fail")
+            kvt.kv_load_failure_policy if kvt is not None else "fail", clock)
         # Steps taken and the wall time of the latest, reported with the scheduler stats.
         self.num_steps = 0
         self.num_dbo_steps = 0
@@ -151,6 +129,9 @@ class EngineCore:
         # that votes and runs forwards).
         self.dbo_policy = DboPolicy(pc)
         self._last_forward_us = 0
+        # Lockstep: seconds this rank waited on its peers' votes inside waves of steps, plus
+        # its dummy batches (widellm:lockstep_idle_seconds).
+        self.lockstep_idle_s = 0.0
         # Structured outputs: requests wait here while their grammar compiles.
         self.structured = StructuredOutputManager(self._structured_output_backend)
 
@@ -192,7 +173,7 @@ class EngineCore:
         request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,
             frozenset(req.eos_token_ids), req.max_tokens, req.arrival_time, req.cache_salt,
-            req.kv_transfer_params,
+            req.kv_transfer_params, queued_ts=self.clock(),
         )
         if request.sampling_params.structured_outputs is not None:
             self.structured.add(request)  # scheduled once its grammar is compiled
@@ -286,7 +267,8 @@ class EngineCore:
             kv.num_recomputed = self.scheduler.num_recomputed
         return dataclasses.replace(self.scheduler.make_stats(), num_steps=self.num_steps,
                                    last_step_duration_s=self.last_step_duration_s,
-                                   num_dbo_steps=self.num_dbo_steps, kv_transfer=kv)
+                                   num_dbo_steps=self.num_dbo_steps, kv_transfer=kv,
+                                   lockstep_idle_s=self.lockstep_idle_s)
 
     def _step(self) -> list[EngineCoreOutput]:
         if self.lockstep:
@@ -325,8 +307,11 @@ class EngineCore:
                   shutdown: bool) -> StepAgreement:
         """The ranks' vote on ``step`` (a collective), with the split decision every rank
         takes from it (see ``engine/dbo_policy.py``)."""
+        start = self.clock()
         agreement = lockstep.sync(step.has_work, shutdown, step.num_rows,
                                   self.dbo_policy.vote(step.model_input), self._last_forward_us)
+        if agreement.any_has_work:  # votes between waves are the whole deployment at rest
+            self.lockstep_idle_s += self.clock() - start
         self._last_forward_us = 0
         return agreement._replace(split=self.dbo_policy.decide(agreement))
 
@@ -343,7 +328,10 @@ class EngineCore:
             return self.model_runner.run_model_input(step.model_input, agreement.dp_metadata,
                                                      agreement.split)
         finally:
-            self._last_forward_us = int((self.clock() - start) * 1e6)
+            elapsed = self.clock() - start
+            self._last_forward_us = int(elapsed * 1e6)
+            if step.model_input is None:
+                self.lockstep_idle_s += elapsed
 
     def finish_step(self, so: SchedulerOutput,
                     runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

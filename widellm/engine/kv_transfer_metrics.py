@@ -1,6 +1,6 @@
 """Prometheus metrics of the KV connector (disaggregated prefill/decode), per rank: bytes and
 time moved, transfers and failures by cause, expired leases, recomputed loads and the blocks
-a prefill instance holds for its consumers right now."""
+a prefill instance holds for its consumers right now. ``engine``: the data-parallel rank."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ _ZERO = KVTransferStats()
 class KVTransferMetrics:
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
         self._labels = labels
-        names = [*labels, "rank"]
+        names = [*labels, "engine"]
         r = registry
         self.bytes = Counter("widellm:kv_transfer_bytes", "KV payload bytes moved",
                              [*names, "direction"], registry=r)
@@ -37,10 +37,10 @@ class KVTransferMetrics:
                                    "for a consumer to pull", names, registry=r)
         self._last: dict[int, KVTransferStats] = {}
 
-    def record(self, stats: KVTransferStats, rank: int) -> None:
-        """Advance the counters by what changed since ``rank``'s previous report."""
-        lb = {**self._labels, "rank": str(rank)}
-        last = self._last.get(rank, _ZERO)
+    def record(self, stats: KVTransferStats, engine: int) -> None:
+        """Advance the counters by what changed since ``engine``'s previous report."""
+        lb = {**self._labels, "engine": str(engine)}
+        last = self._last.get(engine, _ZERO)
         for direction, (b, s, n) in {
             "recv": (stats.bytes_received - last.bytes_received,
                      stats.recv_seconds - last.recv_seconds, stats.num_loads - last.num_loads),
@@ -59,4 +59,4 @@ class KVTransferMetrics:
         self.recomputed.labels(**lb).inc(max(0, stats.num_recomputed - last.num_recomputed))
         self.blocks_held.labels(**lb).set(stats.num_blocks_held)
         self.requests_held.labels(**lb).set(stats.num_requests_held)
-        self._last[rank] = stats
+        self._last[engine] = stats

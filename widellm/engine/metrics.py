@@ -1,26 +1,40 @@
-"""Prometheus metrics with names parallel to vLLM's (``widellm:`` prefix), in a registry owned
-by one AsyncLLM (no global registry: two engines in one process keep separate numbers), and a
-periodic one-line throughput log."""
+"""Prometheus metrics with vLLM's V1 names and meanings under the ``widellm:`` prefix, in a
+registry owned by one AsyncLLM (no global registry: two engines in one process keep separate
+numbers), and a periodic one-line throughput log.
+
+Every engine metric is labelled ``model_name`` and ``engine`` (the data-parallel rank, vLLM's
+label name). This module holds the scheduler state of each engine, ``cache_config_info``
+and the process / platform / Python GC collectors; ``metrics_request`` the per-request
+counters and histograms, ``metrics_wide_ep`` EPLB, lockstep and step-phase numbers,
+``kv_transfer_metrics`` the KV connector's.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, GCCollector, PlatformCollector, ProcessCollector,
+)
 
+from widellm.config import CacheConfig, EngineConfig
 from widellm.core.outputs import EplbStats
 from widellm.core.scheduler_stats import SchedulerStats
+from widellm.engine.iteration_stats import IterationStats
 from widellm.engine.kv_transfer_metrics import KVTransferMetrics
+from widellm.engine.metrics_request import NO_ENGINE, PerEngine, RequestMetrics
+from widellm.engine.metrics_wide_ep import WideEPMetrics
 
 logger = logging.getLogger(__name__)
 
-# Bucket edges in seconds, from sub-frame decode gaps to multi-minute CPU prefills.
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
-E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 LOG_INTERVAL_S = 10.0
 _ZERO_STATS = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+# The CacheConfig fields cache_config_info carries: its flags (host_available_memory is a
+# start-up measurement, not configuration).
+_CACHE_INFO_FIELDS = tuple(f.name for f in dataclasses.fields(CacheConfig)
+                           if f.name != "host_available_memory")
 
 
 def _sum_stats(per_rank: list[SchedulerStats]) -> SchedulerStats:
@@ -38,113 +52,114 @@ def _sum_stats(per_rank: list[SchedulerStats]) -> SchedulerStats:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        # Per-rank numbers (one engine core per DP rank) carry the rank as a label.
-        rank_labels = labels + ["rank"]
-        r = self.registry
-        self.num_requests_running = Gauge(
-            "widellm:num_requests_running", "Requests in the running batch", rank_labels, registry=r)
-        self.num_requests_waiting = Gauge(
-            "widellm:num_requests_waiting", "Requests waiting to be scheduled", rank_labels, registry=r)
-        self.kv_cache_usage_perc = Gauge(
-            "widellm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", rank_labels,
-            registry=r)
-        self.prefix_cache_queries = Counter(
-            "widellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", rank_labels,
-            registry=r)
-        self.prefix_cache_hits = Counter(
-            "widellm:prefix_cache_hits", "Prompt tokens found in the prefix cache", rank_labels,
-            registry=r)
-        self.num_preemptions = Counter(
-            "widellm:num_preemptions", "Requests preempted for lack of KV blocks", rank_labels,
-            registry=r)
-        self.dbo_steps = Counter(
-            "widellm:dbo_steps", "Forwards run as two overlapped micro-batches (--enable-dbo; "
-            "a rank's dummy batches included)", rank_labels, registry=r)
-        self.prompt_tokens = Counter(
-            "widellm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
-        self.generation_tokens = Counter(
-            "widellm:generation_tokens", "Generated tokens", labels, registry=r)
-        self.request_success = Counter(
-            "widellm:request_success", "Finished requests by reason", labels + ["finished_reason"],
-            registry=r)
-        self.request_stalls = Counter(
-            "widellm:request_stalls", "Requests that went --request-stall-timeout-s without a "
-            "token (rank: the engine core serving them, 'none' if not routed)", rank_labels,
-            registry=r)
-        self.time_to_first_token = Histogram(
-            "widellm:time_to_first_token_seconds", "Arrival to first token", labels,
-            buckets=TTFT_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram(
-            "widellm:inter_token_latency_seconds", "Gap between output chunks, per token", labels,
-            buckets=ITL_BUCKETS, registry=r)
-        self.e2e_request_latency = Histogram(
-            "widellm:e2e_request_latency_seconds", "Arrival to finish", labels,
-            buckets=E2E_BUCKETS, registry=r)
-        # EPLB (all ranks measure the same global numbers; any rank's report sets them).
-        self.eplb_balancedness = Gauge(
-            "widellm:eplb_balancedness", "Mean over max of tokens per EP rank, per MoE layer, "
-            "averaged over layers, over the last measurement window (1 = even)", labels,
-            registry=r)
-        self.eplb_num_rebalances = Gauge(
-            "widellm:eplb_num_rebalances", "Expert placements applied since start", labels,
-            registry=r)
-        self.eplb_max_stall_seconds = Gauge(
-            "widellm:eplb_max_stall_seconds", "Longest step delay caused by moving one layer's "
-            "expert weights", labels, registry=r)
+    """Args:
+        model_name: the ``model_name`` label (the first served name).
+        num_engines: data-parallel ranks; each one's series exist from the start.
+        max_model_len: the top of the request-size histograms' buckets.
+        cache_config: exported as ``widellm:cache_config_info`` when given.
+        request_histograms: see :class:`RequestMetrics` (benchmarks only).
+    """
+
+    def __init__(self, model_name: str, num_engines: int, max_model_len: int,
+                 cache_config: CacheConfig | None = None, request_histograms: bool = True) -> None:
+        self.registry = r = CollectorRegistry()
+        # prometheus_client's process_*, python_info and python_gc_* collectors, which it
+        # registers on its global registry; /metrics serves this one only.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self._labels = {"model_name": model_name}
+        names = ["model_name", "engine"]
+
+        def per_engine(metric) -> PerEngine:
+            return PerEngine(metric, self._labels, num_engines)
+
+        self.num_requests_running = per_engine(Gauge(
+            "widellm:num_requests_running", "Requests in the running batch", names, registry=r))
+        self.num_requests_waiting = per_engine(Gauge(
+            "widellm:num_requests_waiting", "Requests waiting to be scheduled", names,
+            registry=r))
+        self.kv_cache_usage_perc = per_engine(Gauge(
+            "widellm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", names,
+            registry=r))
+        self.prefix_cache_queries = per_engine(Counter(
+            "widellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", names,
+            registry=r))
+        self.prefix_cache_hits = per_engine(Counter(
+            "widellm:prefix_cache_hits", "Prompt tokens found in the prefix cache", names,
+            registry=r))
+        self.num_preemptions = per_engine(Counter(
+            "widellm:num_preemptions", "Requests preempted for lack of KV blocks", names,
+            registry=r))
+        self.request_stalls = per_engine(Counter(
+            "widellm:request_stalls", "Requests that went --request-stall-timeout-s without a "
+            "token (engine: the one serving them, 'none' if not routed)", names, registry=r))
+        self.requests = RequestMetrics(r, self._labels, num_engines, max_model_len,
+                                       request_histograms)
+        self.wide_ep = WideEPMetrics(r, self._labels, num_engines)
         self.kv_transfer = KVTransferMetrics(r, self._labels)
+        self._cache_config = cache_config
+        self._cache_config_info = Gauge(
+            "widellm:cache_config_info", "The KV cache configuration (value 1; num_kv_blocks: "
+            "the blocks of this engine's pool)", ["model_name", "engine", *_CACHE_INFO_FIELDS],
+            registry=r)
         # Latest stats of each rank; the core reports running totals.
         self._last_core: dict[int, SchedulerStats] = {}
         self._last_log = time.monotonic()
         self._tokens_since_log = [0, 0]  # prompt, generation
 
-    def record_scheduler_stats(self, stats: SchedulerStats, rank: int = 0) -> None:
-        lb = {**self._labels, "rank": str(rank)}
-        self.num_requests_running.labels(**lb).set(stats.num_running_reqs)
-        self.num_requests_waiting.labels(**lb).set(stats.num_waiting_reqs)
-        self.kv_cache_usage_perc.labels(**lb).set(stats.kv_cache_usage)
-        last = self._last_core.get(rank, _ZERO_STATS)
+    @classmethod
+    def for_config(cls, config: EngineConfig, **kwargs) -> "EngineMetrics":
+        return cls(config.model_config.served_name, config.parallel_config.data_parallel_size,
+                   config.scheduler_config.max_model_len, config.cache_config, **kwargs)
+
+    def record_kv_blocks(self, num_blocks_by_engine: dict[int, int]) -> None:
+        """Export ``cache_config_info`` once the engines report their pools' sizes."""
+        if self._cache_config is None:
+            return
+        info = {name: str(getattr(self._cache_config, name)) for name in _CACHE_INFO_FIELDS}
+        for engine, num_blocks in sorted(num_blocks_by_engine.items()):
+            self._cache_config_info.labels(
+                **self._labels, engine=str(engine), **{**info, "num_kv_blocks": str(num_blocks)}
+            ).set(1)
+
+    def record_scheduler_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        self.num_requests_running[engine].set(stats.num_running_reqs)
+        self.num_requests_waiting[engine].set(stats.num_waiting_reqs)
+        self.kv_cache_usage_perc[engine].set(stats.kv_cache_usage)
+        last = self._last_core.get(engine, _ZERO_STATS)
         # The core reports running totals; counters advance by the difference.
-        self.prefix_cache_queries.labels(**lb).inc(stats.prefix_cache_queries - last.prefix_cache_queries)
-        self.prefix_cache_hits.labels(**lb).inc(stats.prefix_cache_hits - last.prefix_cache_hits)
-        self.num_preemptions.labels(**lb).inc(stats.num_preemptions - last.num_preemptions)
-        self.dbo_steps.labels(**lb).inc(max(0, stats.num_dbo_steps - last.num_dbo_steps))
+        s, e = stats, engine
+        self.prefix_cache_queries[e].inc(s.prefix_cache_queries - last.prefix_cache_queries)
+        self.prefix_cache_hits[e].inc(s.prefix_cache_hits - last.prefix_cache_hits)
+        self.num_preemptions[e].inc(s.num_preemptions - last.num_preemptions)
+        self.wide_ep.record_scheduler_stats(stats, last, engine)
         if stats.kv_transfer is not None:
-            self.kv_transfer.record(stats.kv_transfer, rank)
-        self._last_core[rank] = stats
+            self.kv_transfer.record(stats.kv_transfer, engine)
+        self._last_core[engine] = stats
 
-    def record_eplb(self, stats: EplbStats) -> None:
-        if stats.num_measurements:
-            self.eplb_balancedness.labels(**self._labels).set(stats.balancedness)
-        self.eplb_num_rebalances.labels(**self._labels).set(stats.num_rebalances)
-        self.eplb_max_stall_seconds.labels(**self._labels).set(stats.max_stall_s)
+    def record_eplb(self, stats: EplbStats, engine: int = 0) -> None:
+        self.wide_ep.record_eplb(stats, engine)
 
-    def record_tokens(self, num_new_tokens: int, itl_s: float | None) -> None:
-        self.generation_tokens.labels(**self._labels).inc(num_new_tokens)
-        self._tokens_since_log[1] += num_new_tokens
-        if itl_s is not None and num_new_tokens:
-            per_token = itl_s / num_new_tokens
-            for _ in range(num_new_tokens):
-                self.inter_token_latency.labels(**self._labels).observe(per_token)
+    def record_step_breakdown(self, totals: dict[str, float], engine: int) -> None:
+        self.wide_ep.record_step_breakdown(totals, engine)
 
-    def record_first_token(self, ttft_s: float) -> None:
-        self.time_to_first_token.labels(**self._labels).observe(ttft_s)
+    def record_iteration(self, iteration: IterationStats) -> None:
+        """One engine output batch's request-level numbers (``OutputProcessor``)."""
+        self.requests.record_iteration(iteration)
+        self._tokens_since_log[0] += iteration.num_prompt_tokens
+        self._tokens_since_log[1] += iteration.num_generation_tokens
 
-    def record_finished(self, num_prompt_tokens: int, e2e_s: float, reason: str | None) -> None:
-        self.prompt_tokens.labels(**self._labels).inc(num_prompt_tokens)
-        self._tokens_since_log[0] += num_prompt_tokens
-        self.e2e_request_latency.labels(**self._labels).observe(e2e_s)
-        self.request_success.labels(**self._labels, finished_reason=reason or "abort").inc()
+    def record_aborted(self, engine: int | None, num_sequences: int = 1) -> None:
+        """A request ended by its client (disconnect, cancel) before it finished: its
+        unfinished sequences count as ``request_success{finished_reason="abort"}``."""
+        self.requests.record_aborted(engine, num_sequences)
 
-    def record_aborted(self) -> None:
-        """A request ended by its client (disconnect, cancel) before it finished."""
-        self.request_success.labels(**self._labels, finished_reason="abort").inc()
-
-    def record_stall(self, rank: int | None) -> None:
-        self.request_stalls.labels(**self._labels, rank="none" if rank is None else str(rank)).inc()
+    def record_stall(self, engine: int | None) -> None:
+        if engine is None:
+            self.request_stalls.metric.labels(**self._labels, engine=NO_ENGINE).inc()
+        else:
+            self.request_stalls[engine].inc()
 
     def maybe_log(self) -> None:
         now = time.monotonic()

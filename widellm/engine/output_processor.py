@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from widellm.core.outputs import EngineCoreOutput
 from widellm.engine.detokenizer import IncrementalDetokenizer
+from widellm.engine.iteration_stats import IterationStats, RequestTimes
 from widellm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from widellm.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class _Sample:
     stop_reason: int | str | None = None
     num_sent_tokens: int = 0
     finish_sent: bool = False  # DELTA mode: the finishing update went out already
+    times: RequestTimes = field(default_factory=RequestTimes)
 
 
 @dataclass
@@ -121,9 +123,10 @@ class OutputProcessor:
         return core_ids
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput]
+        self, outputs: list[EngineCoreOutput], iteration: IterationStats | None = None,
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs due now and engine-core ids to abort (stop strings)."""
+        """Returns the RequestOutputs due now and engine-core ids to abort (stop strings).
+        ``iteration``: one engine core's batch, to fill with what the metrics record."""
         now = time.monotonic()
         due: dict[str, _ParentState] = {}
         to_abort: list[str] = []
@@ -136,6 +139,8 @@ class OutputProcessor:
             if sample.finish_reason is not None:
                 continue
             self._apply(parent, sample, out, now)
+            if iteration is not None:
+                self._observe(iteration, parent, sample, out, now)
             if sample.finish_reason is not None:
                 parent.num_unfinished -= 1
                 del self.child_to_parent[out.request_id]
@@ -150,9 +155,22 @@ class OutputProcessor:
             results.append(self._make_output(parent))
             if parent.finished:
                 del self.parents[parent.request_id]
+                if iteration is not None:
+                    iteration.finished_parents.append(
+                        (len(parent.samples), max(len(s.token_ids) for s in parent.samples)))
         return results, to_abort
 
     # ---- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _observe(iteration: IterationStats, parent: _ParentState, sample: _Sample,
+                 out: EngineCoreOutput, now: float) -> None:
+        num_prompt = len(parent.prompt_token_ids)
+        since_arrival = now - parent.arrival_time
+        iteration.observe_output(sample.times, out, num_prompt, since_arrival)
+        if sample.finish_reason is not None:
+            iteration.observe_finished(sample.times, sample.finish_reason, since_arrival,
+                                       num_prompt, len(sample.token_ids), parent.params.max_tokens)
 
     def _make_detokenizer(
         self, prompt_token_ids: list[int], params: SamplingParams

@@ -95,6 +95,8 @@ class EplbController:
         s.balancedness = value
         s.num_measurements += 1
         s.history = (s.history + [(self.step_count, value, s.num_rebalances)])[-HISTORY_LEN:]
+        per_rank = physical.view(len(self.layers), self.num_ranks, -1).sum((0, 2))
+        s.rank_load = per_rank.double().tolist()
         if self.config.log_balancedness and self.rank == 0:
             logger.info("EPLB step %d: balancedness %.3f", self.step_count, value)
 
@@ -153,7 +155,9 @@ class EplbController:
         if new_weights is not True:
             self.pending.clear()  # the layers not moved yet keep their placement
             self.stats.num_failed_rebalances += 1
-        self.stats.max_stall_s = max(self.stats.max_stall_s, time.perf_counter() - start)
+        stall = time.perf_counter() - start
+        self.stats.max_stall_s = max(self.stats.max_stall_s, stall)
+        self.stats.total_stall_s += stall
 
     def _all_agree(self, ok: bool) -> bool:
         flag = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)
