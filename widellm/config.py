@@ -119,12 +119,15 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Token budget per step and batch size. Chunked prefill is always on: one rule for all
-    tokens, any prompt may be split across steps."""
+    """Token budget per step and batch size. With chunked prefill (the default) one rule
+    covers all tokens and any prompt may be split across steps."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 4096
+    # Off: a waiting prompt is admitted only when all of its uncached tokens fit the step's
+    # remaining budget (vLLM's --no-enable-chunked-prefill).
+    enable_chunked_prefill: bool = True
     # Schedule step N+1 while step N runs, with placeholders for its sampled tokens.
     async_scheduling: bool = False
     # Steps that carry prompt tokens run padded to a multiple of this many tokens, capped at
@@ -153,6 +156,13 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Else a prompt longer than the budget could never be scheduled.
+            raise ValueError(
+                f"without chunked prefill every prompt must fit one step: "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}); raise --max-num-batched-tokens or "
+                f"lower --max-model-len")
 
 
 # The automatic prefill_pad_multiple: at most this many padded sizes up to the step budget
@@ -173,6 +183,9 @@ ALL2ALL_BACKENDS = ("allgather_reducescatter", "all2all", "all2all_fixed", "auto
 # Dual-batch overlap: never, on every step the thresholds allow, or per step where measured
 # faster on this deployment (see engine/dbo_policy.py).
 DBO_MODES = ("off", "on", "auto")
+# Who starts the ranks: processes of each machine (mp), or Ray actors the frontend places on
+# a Ray cluster's nodes, setting each one's node-local size itself (engine/ray_launcher.py).
+DP_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +205,7 @@ class ParallelConfig:
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int | None = None
     data_parallel_rank: int | None = None
+    data_parallel_backend: str = "mp"
     enable_expert_parallel: bool = False
     all2all_backend: str = "all2all"
     # Rows per (source, destination) rank pair of the all2all_fixed buffers; None sizes them
@@ -224,7 +238,11 @@ class ParallelConfig:
                 f"{self.data_parallel_start_rank} does not fit data_parallel_size="
                 f"{self.data_parallel_size}"
             )
-        if local < self.data_parallel_size and self.data_parallel_rpc_port is None:
+        if self.data_parallel_backend not in DP_BACKENDS:
+            raise ValueError(f"data_parallel_backend must be one of {DP_BACKENDS}")
+        # Ray ranks always reach the frontend over TCP (a free port unless one is given).
+        if (local < self.data_parallel_size and self.data_parallel_rpc_port is None
+                and self.data_parallel_backend != "ray"):
             raise ValueError(
                 "data_parallel_rpc_port is required when ranks run on more than one machine "
                 "(data_parallel_size_local < data_parallel_size)"
@@ -360,11 +378,20 @@ class EngineConfig:
     # Disaggregated prefill/decode: this instance's KV connector (None: colocated).
     kv_transfer_config: KVTransferConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    # Where weights, KV cache and activations live: "cpu" or "cuda" (widellm/device.py).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' once resolved, got {self.device!r}")
         if self.eplb_config.enable_eplb and not self.parallel_config.needs_lockstep:
             raise ValueError("enable_eplb needs --enable-expert-parallel over more than one "
                              "rank (--data-parallel-size > 1)")
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the engine's tensors (weights, KV cache, activations) live on a GPU."""
+        return self.device == "cuda"
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

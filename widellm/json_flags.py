@@ -1,6 +1,7 @@
 """Flags whose value is a JSON object (``--kv-transfer-config``, ``--structured-outputs-config``,
-``--override-generation-config``), given on the command line as text or to ``LLM(...)`` as a
-dict: one parser, so every such flag refuses bad JSON and unknown keys the same way."""
+``--eplb-config``, ``--override-generation-config``), given on the command line as text or to
+``LLM(...)`` as a dict: one parser, so every such flag refuses bad JSON and unknown keys the
+same way."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ the responses serialize to."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from http import HTTPStatus
 
@@ -15,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from widellm.entrypoints.api_server import _validation_error
+from widellm.entrypoints.cli import build_parser
 from widellm.entrypoints.errors import APIError
 from widellm.entrypoints.protocol_chat import (
     ChatCompletionMessage, ChatCompletionRequest, ChatMessage, DeltaMessage,
@@ -98,11 +98,12 @@ def test_required_and_named_need_no_server_flag():
 
 
 def test_auto_tool_choice_needs_a_parser_at_start_up():
+    def serve_args(*flags: str):
+        return build_parser().parse_args(["serve", *flags])
+
     with pytest.raises(ValueError, match="--enable-auto-tool-choice requires --tool-call-parser"):
-        check_server_args(argparse.Namespace(enable_auto_tool_choice=True,
-                                             tool_call_parser=None))
-    check_server_args(argparse.Namespace(enable_auto_tool_choice=True,
-                                         tool_call_parser="hermes"))
+        check_server_args(serve_args("--enable-auto-tool-choice"))
+    check_server_args(serve_args("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
 
 
 # ---- schemas -------------------------------------------------------------------------------

@@ -9,11 +9,13 @@ import re
 from dataclasses import dataclass, field, fields
 
 from widellm.config import (
-    ALL2ALL_BACKENDS, DBO_MODES, CacheConfig, EngineConfig, EPLBConfig, ModelConfig, ObservabilityConfig,
+    ALL2ALL_BACKENDS, DBO_MODES, CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig,
     ParallelConfig, SchedulerConfig, StructuredOutputsConfig, default_prefill_pad_multiple,
     resolve_dtype,
 )
-from widellm.device import on_cuda
+from widellm.config import DP_BACKENDS
+from widellm.device import DEVICES, resolve_device
+from widellm.engine.eplb_args import EPLB_CONFIG_HELP, eplb_config_arg, resolve_eplb_config
 from widellm.kv_transfer.config import KVTransferConfig
 from widellm.layers.attention_backend import ATTENTION_BACKENDS, resolve_attention_backend
 from widellm.kv_transfer.registry import check_connector_name
@@ -61,6 +63,10 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata={"help": "context length"})
     max_num_batched_tokens: int = field(default=4096, metadata={"help": "token budget/step"})
     max_num_seqs: int = field(default=256, metadata={"help": "requests per step"})
+    enable_chunked_prefill: bool = field(default=True, metadata={
+        "help": "split a prompt that does not fit a step's token budget over several steps "
+                "(on by default, as vLLM's; --no-enable-chunked-prefill schedules each "
+                "prompt whole, which needs --max-num-batched-tokens >= --max-model-len)"})
     prefill_pad_multiple: int | None = field(default=None, metadata={
         "help": "pad steps with prompt tokens to a multiple of this many tokens, so oneDNN "
                 "sees few GEMM shapes, which a server warms while idle (default: on CPU the "
@@ -71,6 +77,10 @@ class EngineArgs:
         "help": "decode batch sizes captured as CUDA graphs, e.g. '1,2,4,8' (default on GPU: "
                 "1, 2, 4 and multiples of 8 up to --max-num-seqs, at most 512; on CPU none: "
                 "given, decode steps are padded to them there too)"})
+    device: str = field(default="auto", metadata={
+        "help": "where the engine computes: cpu, cuda (refused until widellm's CUDA model "
+                "runner is finished), auto (today the CPU, also on GPU hosts)",
+        "choices": DEVICES})
     attention_backend: str = field(default="auto", metadata={
         "help": "K/V store and decode attention: cpu (widellm's C++ kernels), triton "
                 "(the GPU kernels; without a GPU only under TRITON_INTERPRET=1, for tests), "
@@ -84,25 +94,36 @@ class EngineArgs:
         "help": "cap of the default KV cache: this fraction of the memory available at "
                 "start-up, shared by all DP ranks of this machine on CPU (each GPU rank: of "
                 "its device)"})
-    num_kv_blocks: int | None = field(default=None, metadata={"help": "exact KV block count"})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "exact KV block count", "aliases": ("--num-gpu-blocks-override",)})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
     async_scheduling: bool | None = field(default=None, metadata={
         "help": "schedule the next step while the current one runs (default: on with a GPU; "
                 "off on CPU, where the forward is ~99%% of a step and the overlapped CPU work "
                 "slows the forward's threads: measured 0.85-0.9x)"})
+    # "aliases": vLLM's short forms of the same flags.
     data_parallel_size: int = field(default=1, metadata={
-        "help": "engine cores (DP ranks), each with its own scheduler, KV cache and requests"})
+        "help": "engine cores (DP ranks), each with its own scheduler, KV cache and requests",
+        "aliases": ("-dp",)})
     data_parallel_size_local: int | None = field(default=None, metadata={
-        "help": "DP ranks run on this machine (default: all from --data-parallel-start-rank)"})
+        "help": "DP ranks run on this machine (default: all from --data-parallel-start-rank)",
+        "aliases": ("-dpl",)})
     data_parallel_start_rank: int = field(default=0, metadata={
-        "help": "first DP rank run on this machine (secondary nodes, with --headless)"})
+        "help": "first DP rank run on this machine (secondary nodes, with --headless)",
+        "aliases": ("-dpr",)})
     data_parallel_address: str = field(default="127.0.0.1", metadata={
-        "help": "address of the head node, where the frontend listens for the ranks"})
+        "help": "address of the head node, where the frontend listens for the ranks",
+        "aliases": ("-dpa",)})
     data_parallel_rpc_port: int | None = field(default=None, metadata={
         "help": "port of the head node for the ranks' handshake and requests (needed when "
-                "ranks span machines; all-local ranks use IPC)"})
+                "ranks span machines; all-local ranks use IPC)", "aliases": ("-dpp",)})
+    data_parallel_backend: str = field(default="mp", metadata={
+        "help": "how DP ranks start: mp (processes of this machine) or ray (actors placed "
+                "on the nodes of a running Ray cluster; pip install 'widellm[ray]')",
+        "choices": DP_BACKENDS, "aliases": ("-dpb",)})
     enable_expert_parallel: bool = field(default=False, metadata={
-        "help": "shard routed experts over all DP ranks (tokens move by all-to-all)"})
+        "help": "shard routed experts over all DP ranks (tokens move by all-to-all)",
+        "aliases": ("-ep",)})
     all2all_backend: str = field(default="all2all", metadata={
         "help": "expert-parallel dispatch/combine (auto: the fixed-capacity exchange for "
                 "decode steps, the variable one for steps with prompt tokens)",
@@ -128,15 +149,21 @@ class EngineArgs:
                 "(the first start's one-time CPU kernel build counts in it)"})
     enable_eplb: bool = field(default=False, metadata={
         "help": "expert-parallel load balancing: replicate and re-place hot experts"})
+    eplb_config: str | dict | None = field(default=None, metadata={
+        "help": EPLB_CONFIG_HELP, "type": eplb_config_arg})
     eplb_num_redundant_experts: int = field(default=0, metadata={
-        "help": "extra physical expert slots for replicas (spread evenly over EP ranks)"})
-    eplb_window_size: int = field(default=1000, metadata={"help": "steps of expert load kept"})
+        "help": "extra physical expert slots for replicas (spread evenly over EP ranks; "
+                "--eplb-config's num_redundant_experts)"})
+    eplb_window_size: int = field(default=1000, metadata={
+        "help": "steps of expert load kept (--eplb-config's window_size)"})
     eplb_step_interval: int = field(default=3000, metadata={
-        "help": "steps between rebalances"})
+        "help": "steps between rebalances (--eplb-config's step_interval)"})
     eplb_log_balancedness: bool = field(default=False, metadata={
-        "help": "log the expert load balancedness every rebalance window"})
+        "help": "log the expert load balancedness every rebalance window (--eplb-config's "
+                "log_balancedness)"})
     eplb_min_balancedness_gain: float = field(default=0.05, metadata={
-        "help": "apply a new expert placement only if it raises balancedness this much"})
+        "help": "apply a new expert placement only if it raises balancedness this much "
+                "(--eplb-config's min_balancedness_gain)"})
     kv_transfer_config: str | dict | None = field(default=None, metadata={
         "help": "disaggregated prefill/decode: this instance's KV connector, as JSON: "
                 '{"kv_connector": "TCPConnector", "kv_role": "kv_producer|kv_consumer|'
@@ -154,17 +181,18 @@ class EngineArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
         for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             helptext = f.metadata.get("help", "")
             if f.name == "model" and positional_model:
                 parser.add_argument("model", nargs="?", default=None, help=helptext)
             elif f.type in ("bool", bool, "bool | None"):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                parser.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                     default=f.default, help=helptext)
             else:
                 kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
                 extra = {k: f.metadata[k] for k in ("nargs", "const") if k in f.metadata}
-                parser.add_argument(flag, type=kind, default=f.default, help=helptext,
+                parser.add_argument(*flags, type=f.metadata.get("type", kind),
+                                    default=f.default, help=helptext,
                                     choices=f.metadata.get("choices"), **extra)
 
     @classmethod
@@ -183,6 +211,8 @@ class EngineArgs:
         return list(names)
 
     def create_engine_config(self) -> EngineConfig:
+        device = resolve_device(self.device)
+        on_cuda = device == "cuda"
         path = resolve_model_path(self.model)
         hf_config = load_hf_config(path)
         model_max = getattr(hf_config, "max_position_embeddings", None)
@@ -207,7 +237,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             tokenizer=self.tokenizer or path,
             seed=self.seed,
-            attention_backend=resolve_attention_backend(self.attention_backend, on_cuda()),
+            attention_backend=resolve_attention_backend(self.attention_backend, on_cuda),
         )
         return EngineConfig(
             model_config=model_config,
@@ -222,12 +252,13 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
                 async_scheduling=(
-                    on_cuda() if self.async_scheduling is None
+                    on_cuda if self.async_scheduling is None
                     else self.async_scheduling),
-                cudagraph_capture_sizes=self._capture_sizes(),
+                cudagraph_capture_sizes=self._capture_sizes(on_cuda),
                 prefill_pad_multiple=(
-                    (0 if on_cuda() else default_prefill_pad_multiple(self.max_num_batched_tokens))
+                    (0 if on_cuda else default_prefill_pad_multiple(self.max_num_batched_tokens))
                     if self.prefill_pad_multiple is None else self.prefill_pad_multiple),
             ),
             parallel_config=ParallelConfig(
@@ -236,6 +267,7 @@ class EngineArgs:
                 data_parallel_start_rank=self.data_parallel_start_rank,
                 data_parallel_address=self.data_parallel_address,
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
+                data_parallel_backend=self.data_parallel_backend,
                 enable_expert_parallel=self.enable_expert_parallel,
                 all2all_backend=self.all2all_backend,
                 all2all_fixed_capacity=self.all2all_fixed_capacity,
@@ -245,27 +277,24 @@ class EngineArgs:
                 dbo_prefill_token_threshold=self.dbo_prefill_token_threshold,
                 engine_ready_timeout_s=self.engine_ready_timeout_s,
             ),
-            eplb_config=EPLBConfig(
-                enable_eplb=self.enable_eplb,
-                num_redundant_experts=self.eplb_num_redundant_experts,
-                window_size=self.eplb_window_size,
-                step_interval=self.eplb_step_interval,
-                log_balancedness=self.eplb_log_balancedness,
-                min_balancedness_gain=self.eplb_min_balancedness_gain,
-            ),
+            eplb_config=resolve_eplb_config(
+                self.enable_eplb, self.eplb_config,
+                flat={f.name: getattr(self, f.name) for f in fields(self)},
+                flat_defaults={f.name: f.default for f in fields(self)}),
             observability_config=ObservabilityConfig(
                 collect_step_breakdown=self.collect_step_breakdown,
                 request_stall_timeout_s=self.request_stall_timeout_s),
             kv_transfer_config=kv_transfer_config,
             structured_outputs_config=StructuredOutputsConfig.parse(
                 self.structured_outputs_config),
+            device=device,
         )
 
-    def _capture_sizes(self) -> tuple[int, ...]:
+    def _capture_sizes(self, on_cuda: bool) -> tuple[int, ...]:
         if self.enforce_eager:
             return ()
         if self.cuda_graph_sizes is None:
-            return default_capture_sizes(self.max_num_seqs) if on_cuda() else ()
+            return default_capture_sizes(self.max_num_seqs) if on_cuda else ()
         try:
             return tuple(int(s) for s in str(self.cuda_graph_sizes).split(","))
         except ValueError:

@@ -17,9 +17,11 @@ from widellm.engine.arg_utils import EngineArgs
 from widellm.engine.core_client import (
     DEATH_NOTICE_S, DEATH_POLL_S, EngineCoreClient, EngineDeadError,
 )
+from widellm.engine.iteration_stats import IterationStats
 from widellm.engine.metrics import EngineMetrics
 from widellm.engine.output_processor import OutputProcessor, RequestOutputKind
 from widellm.engine.processor import InputProcessor, PromptType
+from widellm.engine.request_logger import RequestLogger
 from widellm.engine.stall_detector import StallDetector
 from widellm.outputs import RequestOutput
 from widellm.sampling_params import SamplingParams
@@ -41,7 +43,12 @@ class RequestFailedError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs, log_stats: bool = True,
+                 request_logger: RequestLogger | None = None) -> None:
+        # log_stats off (--disable-log-stats) drops only the periodic throughput log line;
+        # the metrics behind /metrics are still recorded.
+        self.log_stats = log_stats
+        self.request_logger = request_logger
         self.config = engine_args.create_engine_config()
         self.model_config = self.config.model_config
         self.processor = InputProcessor.from_model_config(
@@ -49,8 +56,9 @@ class AsyncLLM:
             self.config.structured_outputs_config.backend)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(self.model_config.served_name)
+        self.metrics = EngineMetrics.for_config(self.config)
         self.client = EngineCoreClient(self.config)
+        self.metrics.record_kv_blocks(self.client.kv_blocks_by_rank)
         self.stall_detector = StallDetector(
             self.config.observability_config.request_stall_timeout_s, self.metrics,
             self.client.rank_of)
@@ -63,8 +71,8 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLM":
-        return cls(engine_args)
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs) -> "AsyncLLM":
+        return cls(engine_args, **kwargs)
 
     @property
     def errored(self) -> bool:
@@ -87,6 +95,8 @@ class AsyncLLM:
             raise EngineDrainingError(self._cut_reason)
         self._ensure_output_task()
         text, token_ids = self.processor.tokenize(prompt)
+        if self.request_logger is not None:
+            self.request_logger.log_request(request_id, text, token_ids, sampling_params)
         self.processor.validate_prompt(token_ids)
         cache_salt = self.processor.cache_salt(prompt, cache_salt)
         self.client.check_rank(data_parallel_rank)
@@ -124,7 +134,8 @@ class AsyncLLM:
         core_ids = self.output_processor.abort_requests([request_id])
         self._queues.pop(request_id, None)
         if core_ids and not self.errored:
-            self.metrics.record_aborted()
+            # Each sequence still running counts, on the rank that held it.
+            self.metrics.record_aborted(self.client.rank_of(core_ids[0]), len(core_ids))
             await self.client.abort_requests_async(core_ids)
 
     @property
@@ -171,16 +182,21 @@ class AsyncLLM:
                 if batch.scheduler_stats is not None:
                     self.metrics.record_scheduler_stats(batch.scheduler_stats, batch.dp_rank)
                 if batch.eplb_stats is not None:
-                    self.metrics.record_eplb(batch.eplb_stats)
-                outputs, to_abort = self.output_processor.process_outputs(batch.outputs)
-                self._record(outputs)
+                    self.metrics.record_eplb(batch.eplb_stats, batch.dp_rank)
+                if batch.step_breakdown is not None:
+                    self.metrics.record_step_breakdown(batch.step_breakdown, batch.dp_rank)
+                iteration = IterationStats(batch.dp_rank, batch.timestamp)
+                outputs, to_abort = self.output_processor.process_outputs(batch.outputs,
+                                                                          iteration)
+                self.metrics.record_iteration(iteration)
                 for out in outputs:
                     q = self._queues.get(out.request_id)
                     if q is not None:
                         q.put_nowait(out)
                 if to_abort:
                     await self.client.abort_requests_async(to_abort)
-                self.metrics.maybe_log()
+                if self.log_stats:
+                    self.metrics.maybe_log()
         except EngineDeadError as e:
             self.dead_error = str(e)
             logger.error("%s; failing %d in-flight requests", e, len(self._queues))
@@ -200,23 +216,6 @@ class AsyncLLM:
         while self.client.others_alive(rank) and time.monotonic() < deadline:
             await asyncio.sleep(DEATH_POLL_S)
         return self.client.failure_reason(rank, engine_error)
-
-    def _record(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
-        for out in outputs:
-            m = out.metrics
-            n = sum(len(c.token_ids) for c in out.outputs)
-            first = m.get("first_token_time")
-            prev = m.get("prev_token_time")
-            if n and first is not None and first == m.get("last_token_time") and prev is None:
-                self.metrics.record_first_token(first - m["arrival_time"])
-                self.metrics.record_tokens(n, None)
-            elif n:
-                self.metrics.record_tokens(n, (m["last_token_time"] - prev) if prev else None)
-            if out.finished:
-                reason = out.outputs[0].finish_reason if out.outputs else None
-                self.metrics.record_finished(len(out.prompt_token_ids), now - m["arrival_time"],
-                                             reason)
 
     def shutdown(self) -> None:
         if self._output_task is not None:

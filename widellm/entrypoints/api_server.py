@@ -24,6 +24,7 @@ from http import HTTPStatus
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -35,10 +36,14 @@ from widellm.engine.arg_utils import EngineArgs
 from widellm.engine.async_llm import AsyncLLM, EngineDrainingError
 from widellm.engine.core_client import EngineDeadError
 from widellm.engine.generation_config import default_sampling_params
+from widellm.engine.request_logger import RequestLogger
 from widellm.entrypoints.body_limit import BodySizeLimitMiddleware
 from widellm.entrypoints.chat_template import load_chat_template
 from widellm.entrypoints.drain import DrainingServer
 from widellm.entrypoints.errors import APIError, param_of, to_api_error
+from widellm.entrypoints.http_options import (
+    RootPathMiddleware, cors_options, uses_tls, uvicorn_tls_kwargs,
+)
 from widellm.entrypoints.protocol import (
     CompletionRequest, DetokenizeRequest, ModelCard, ModelList, VersionResponse,
 )
@@ -123,17 +128,26 @@ def api_key_dependency(api_key: str):
 def add_guarded_docs(router: APIRouter, app: FastAPI) -> None:
     """``/openapi.json``, ``/docs`` and ``/redoc`` on ``router`` (FastAPI's own pages)."""
 
+    def schema_url(request: Request) -> str:
+        # Behind --root-path the browser fetches the schema through the proxy's prefix.
+        return request.scope.get("root_path", "").rstrip("/") + "/openapi.json"
+
     @router.get("/openapi.json", include_in_schema=False)
-    async def openapi() -> JSONResponse:
-        return JSONResponse(app.openapi())
+    async def openapi(request: Request) -> JSONResponse:
+        schema = app.openapi()
+        root_path = request.scope.get("root_path", "").rstrip("/")
+        if root_path:  # as FastAPI's own route: the prefix is where clients reach the API
+            schema = {**schema, "servers": [{"url": root_path}]}
+        return JSONResponse(schema)
 
     @router.get("/docs", include_in_schema=False)
-    async def docs() -> Response:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+    async def docs(request: Request) -> Response:
+        return get_swagger_ui_html(openapi_url=schema_url(request),
+                                   title=f"{app.title} - docs")
 
     @router.get("/redoc", include_in_schema=False)
-    async def redoc() -> Response:
-        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+    async def redoc(request: Request) -> Response:
+        return get_redoc_html(openapi_url=schema_url(request), title=f"{app.title} - ReDoc")
 
 
 def serving_options(engine: AsyncLLM, args: argparse.Namespace) -> dict:
@@ -171,15 +185,20 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
 
     # With an API key the schema and its UIs are served by the guarded router below, so they
     # describe the API only to those who may call it.
-    docs_urls = {} if not args.api_key else dict(docs_url=None, redoc_url=None,
-                                                  openapi_url=None)
+    own_docs = not args.api_key and not args.disable_fastapi_docs
+    docs_urls = {} if own_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="widellm", version=widellm.__version__, lifespan=lifespan, **docs_urls)
     add_exception_handlers(app)
+    if args.root_path:
+        app.add_middleware(RootPathMiddleware, root_path=args.root_path)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    cors = cors_options(args)
+    if cors is not None:  # added last, so outermost: preflights and 4xx answers get headers
+        app.add_middleware(CORSMiddleware, **cors)
     guarded = [Depends(api_key_dependency(args.api_key))] if args.api_key else []
     api = APIRouter(dependencies=guarded)
     public = APIRouter()
-    if args.api_key:
+    if args.api_key and not args.disable_fastapi_docs:
         add_guarded_docs(api, app)
 
     @public.get("/health")
@@ -254,7 +273,7 @@ def log_usage(url: str, model: str, api_key: str | None) -> None:
 
 
 async def serve_http(server: uvicorn.Server, sock: socket.socket, model: str,
-                     api_key: str | None) -> None:
+                     api_key: str | None, scheme: str = "http") -> None:
     """Run uvicorn on the already bound ``sock``, logging its address (the real port, even
     for --port 0)."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -262,7 +281,7 @@ async def serve_http(server: uvicorn.Server, sock: socket.socket, model: str,
         await asyncio.sleep(STARTUP_POLL_S)
     if server.started and server.servers and server.servers[0].sockets:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
-        log_usage(f"http://{host}:{port}", model, api_key)
+        log_usage(f"{scheme}://{host}:{port}", model, api_key)
     await task
 
 
@@ -283,7 +302,10 @@ def run_server(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     sock = bind_or_exit(args.host, args.port)
     with sock:
-        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        request_logger = RequestLogger(args.max_log_len) if args.enable_log_requests else None
+        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args),
+                                           log_stats=not args.disable_log_stats,
+                                           request_logger=request_logger)
         try:
             app = build_app(engine, args)
         except BaseException:  # a bad frontend flag: the engine cores must not outlive us
@@ -291,13 +313,14 @@ def run_server(args: argparse.Namespace) -> None:
             raise
         config = uvicorn.Config(
             app, log_level=args.uvicorn_log_level,
-            access_log=not args.disable_uvicorn_access_log,
+            access_log=not args.disable_uvicorn_access_log, **uvicorn_tls_kwargs(args),
         )
         server = DrainingServer(config, engine, args.shutdown_timeout)
 
         async def main() -> None:
             try:
-                await serve_http(server, sock, engine.model_config.served_name, args.api_key)
+                await serve_http(server, sock, engine.model_config.served_name, args.api_key,
+                                 "https" if uses_tls(args) else "http")
             finally:
                 engine.shutdown()
 

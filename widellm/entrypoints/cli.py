@@ -1,16 +1,30 @@
-"""``widellm`` command line: serve, generate, chat, bench."""
+"""``widellm`` command line: serve, generate, chat, bench (also ``python -m widellm``)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import sys
 
 from widellm.engine.arg_utils import EngineArgs
+from widellm.entrypoints.config_file import apply_config_file
 from widellm.entrypoints.server_args import add_server_cli_args
 
 LOG_LEVEL_ENV = "WIDELLM_LOGGING_LEVEL"
+DISTRIBUTION = "widellm"
+
+
+def package_version() -> str:
+    """The installed distribution's version (the package's own for a source tree run
+    without installing)."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        import widellm
+
+        return widellm.__version__
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +87,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return build_parsers()[0]
+
+
+def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``widellm`` parser and its ``serve`` subparser (which --config fills)."""
     parser = argparse.ArgumentParser(prog="widellm")
+    parser.add_argument("-v", "--version", action="version", version=package_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -112,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_args(sv)
     sv.set_defaults(func=cmd_bench_serve)
-    return parser
+    return parser, serve
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,7 +140,12 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
         format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S",
     )
-    args = build_parser().parse_args(argv)
+    parser, serve = build_parsers()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        # The file's values become serve's defaults; parsing again lets the command line win.
+        apply_config_file(serve, args.config)
+        args = parser.parse_args(argv)
     try:
         args.func(args)
     except ValueError as e:

@@ -7,6 +7,7 @@ import argparse
 import os
 
 from widellm.engine.generation_config import GENERATION_CONFIG_AUTO, GENERATION_CONFIG_IGNORE
+from widellm.entrypoints.http_options import add_http_cli_args, check_http_args
 from widellm.entrypoints.protocol import MAX_LOGPROBS
 from widellm.entrypoints.tool_parsers import TOOL_PARSERS
 
@@ -57,6 +58,10 @@ def check_server_args(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (one of "
                          f"{', '.join(TOOL_PARSERS)})")
+    if args.max_log_len is not None and not args.enable_log_requests:
+        raise ValueError("--max-log-len needs --enable-log-requests (nothing is logged "
+                         "without it)")
+    check_http_args(args)
 
 
 def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +117,23 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
                         choices=UVICORN_LOG_LEVELS)
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="do not log every HTTP request")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="drop the periodic throughput log line (prompt and generation "
+                             "tokens/s, running and waiting requests, KV cache usage); "
+                             "/metrics keeps every metric")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log each request as it arrives: its id, sampling parameters, "
+                             "prompt length and prompt (users' data: off by default)")
+    parser.add_argument("--max-log-len", type=_non_negative_int, default=None,
+                        help="with --enable-log-requests, log at most this many prompt "
+                             "characters (or token ids) per request (default: all)")
+    parser.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="serve no /openapi.json, /docs or /redoc")
+    add_http_cli_args(parser)
+    parser.add_argument("--config", type=str, default=None,
+                        help="read flags from this YAML file, keyed by flag name (dashes or "
+                             "underscores; 'model' for the model); flags on the command line "
+                             "win over the file")
     parser.add_argument("--headless", action="store_true",
                         help="run this machine's data-parallel ranks (from "
                              "--data-parallel-start-rank) without an API server; they join "
