@@ -15,7 +15,7 @@ from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.eplb.placement import ExpertPlacement
 from widellm.layers.moe import LocalDispatcher, reference_experts_forward
 from widellm.layers.moe.layer import FusedMoE
-from widellm.worker import eplb_controller
+from widellm.eplb import collectives
 from widellm.worker.eplb_controller import EplbController
 
 NUM_EXPERTS = 8
@@ -66,14 +66,14 @@ def _run(rank: int, world_size: int, fail_layer: int | None) -> dict:
                         window_size=WINDOW, step_interval=INTERVAL)
     controller = EplbController(layers, config, rank, world_size, 1, dist.group.WORLD)
     if fail_layer is not None and rank == world_size - 1:
-        real = eplb_controller.prepare_layer_move
+        real = collectives.prepare_layer_move
 
         def flaky(weights, plan, r):
             if weights[0].data_ptr() == layers[fail_layer].w13_weight.data_ptr():
                 raise MemoryError("injected failure")  # e.g. no room for the new weights
             return real(weights, plan, r)
 
-        eplb_controller.prepare_layer_move = flaky  # this rank's process only
+        collectives.prepare_layer_move = flaky  # this rank's process only
     gen = torch.Generator().manual_seed(rank)
     max_err = 0.0
     for _ in range(STEPS):

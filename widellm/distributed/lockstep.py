@@ -18,6 +18,7 @@ message could leave one rank waiting on its own).
 from __future__ import annotations
 
 from enum import IntEnum
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -25,9 +26,6 @@ import torch.distributed as dist
 
 from widellm.distributed.collectives import all_gather_single
 from widellm.forward_context import DPMetadata
-
-# One vote: [has_work, shutdown, num_tokens, split_vote, previous forward's microseconds].
-_VOTE_FIELDS = 5
 
 
 class SplitVote(IntEnum):
@@ -52,6 +50,36 @@ class StepAgreement(NamedTuple):
     last_forward_us: int = 0
 
 
+class Vote(NamedTuple):
+    """One rank's vote on the next step (see :meth:`DPLockstep.sync` for the fields)."""
+
+    has_work: bool
+    shutdown: bool
+    num_tokens: int
+    split_vote: SplitVote = SplitVote.NO
+    last_forward_us: int = 0
+
+
+# A vote on the wire: one int64 per field of Vote, in order.
+_VOTE_FIELDS = len(Vote._fields)
+
+
+def decide(votes: Sequence[Vote]) -> StepAgreement:
+    """The ranks' agreement from their votes, in rank order: the one rule of the lockstep,
+    used by :class:`DPLockstep` after its all-gather and by the simulator
+    (``widellm/sim/pool.py``) on the votes of its in-process ranks."""
+    splits = [SplitVote(v.split_vote) for v in votes]
+    return StepAgreement(
+        any_has_work=any(v.has_work for v in votes),
+        any_shutdown=any(v.shutdown for v in votes),
+        dp_metadata=DPMetadata(tuple(int(v.num_tokens) for v in votes)),
+        split=(SplitVote.NO not in splits
+               and any(s in (SplitVote.DECODE, SplitVote.PREFILL) for s in splits)),
+        any_prefill=SplitVote.PREFILL in splits,
+        last_forward_us=max(int(v.last_forward_us) for v in votes),
+    )
+
+
 class DPLockstep:
     def __init__(self, cpu_group: dist.ProcessGroup) -> None:
         self.cpu_group = cpu_group
@@ -74,14 +102,5 @@ class DPLockstep:
         self._vote[:] = torch.tensor(
             [int(has_work), int(shutdown), num_tokens, int(split_vote), last_forward_us])
         all_gather_single(self._votes, self._vote, group=self.cpu_group)
-        votes = self._votes.view(self.size, _VOTE_FIELDS).tolist()
-        splits = [SplitVote(v[3]) for v in votes]
-        return StepAgreement(
-            any_has_work=any(v[0] for v in votes),
-            any_shutdown=any(v[1] for v in votes),
-            dp_metadata=DPMetadata(tuple(v[2] for v in votes)),
-            split=(SplitVote.NO not in splits
-                   and any(s in (SplitVote.DECODE, SplitVote.PREFILL) for s in splits)),
-            any_prefill=SplitVote.PREFILL in splits,
-            last_forward_us=max(v[4] for v in votes),
-        )
+        rows = self._votes.view(self.size, _VOTE_FIELDS).tolist()
+        return decide([Vote(bool(v[0]), bool(v[1]), v[2], SplitVote(v[3]), v[4]) for v in rows])

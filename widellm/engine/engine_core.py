@@ -24,7 +24,7 @@ from widellm.core.scheduler_stats import SchedulerStats
 from widellm.core.scheduler_output import SchedulerOutput
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.distributed.groups import DPGroups
-from widellm.distributed.lockstep import DPLockstep, StepAgreement
+from widellm.distributed.lockstep import DPLockstep, StepAgreement, Vote
 from widellm.engine.dbo_policy import DboPolicy
 from widellm.engine.kv_budget import determine_num_blocks
 from widellm.engine.planned_step import PlannedStep
@@ -308,10 +308,20 @@ class EngineCore:
         """The ranks' vote on ``step`` (a collective), with the split decision every rank
         takes from it (see ``engine/dbo_policy.py``)."""
         start = self.clock()
-        agreement = lockstep.sync(step.has_work, shutdown, step.num_rows,
-                                  self.dbo_policy.vote(step.model_input), self._last_forward_us)
+        agreement = lockstep.sync(*self.make_vote(step, shutdown))
         if agreement.any_has_work:  # votes between waves are the whole deployment at rest
             self.lockstep_idle_s += self.clock() - start
+        return self.adopt_agreement(agreement)
+
+    def make_vote(self, step: PlannedStep, shutdown: bool) -> Vote:
+        """This rank's vote on ``step`` (what :meth:`vote_step` sends; a simulator collects
+        the votes of its ranks itself and combines them with ``lockstep.decide``)."""
+        return Vote(step.has_work, shutdown, step.num_rows,
+                    self.dbo_policy.vote(step.model_input), self._last_forward_us)
+
+    def adopt_agreement(self, agreement: StepAgreement) -> StepAgreement:
+        """The ranks' agreement with the split decision every rank takes from it (see
+        ``engine/dbo_policy.py``); once per vote, on every rank."""
         self._last_forward_us = 0
         return agreement._replace(split=self.dbo_policy.decide(agreement))
 

@@ -78,6 +78,12 @@ class ExpertLoadRecorder:
         index = flat.clamp(min=0) + self._base[layer]
         self._counts.view(-1).scatter_add_(0, index, valid.to(torch.int64))
 
+    def record_counts(self, layer: int, counts: torch.Tensor) -> None:
+        """Add already-counted selections to the current step: ``counts`` is ``[num_physical]``
+        int64 per physical slot (the simulator's routing model counts, it has no ids).
+        Not for CUDA graphs: it indexes the current row from the host."""
+        self._counts[self._cursor, layer] += counts.to(self._counts.device, torch.int64)
+
     def step(self) -> None:
         """Close the current step: move to the next ring row and zero it (the oldest step)."""
         self._cursor = (self._cursor + 1) % self.window_size

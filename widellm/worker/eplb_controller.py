@@ -4,7 +4,9 @@ expert weights one layer per step while serving continues, then switch that laye
 Every rank calls :meth:`EplbController.before_forward` once per forward (real or dummy
 batch). Ranks step in lockstep, so their step counters agree, and every collective here
 (load all-reduce, weight all-to-all, the "did every rank succeed" all-reduce) happens at the
-same step on every rank. Schedule, with ``W = window_size`` and ``S = step_interval``:
+same step on every rank; they go through an ``EplbCollectives`` (``eplb/collectives.py``:
+torch.distributed here, in-process sums and priced moves in the simulator). Schedule, with
+``W = window_size`` and ``S = step_interval``:
 
 - every ``W`` steps: all-reduce the window's load, measure balancedness, log it if asked;
 - every ``S`` steps: plan a new placement from the window's logical load (planner.py) and,
@@ -22,11 +24,12 @@ import time
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # noqa: F401 - the group's type
 
 from widellm.config import EPLBConfig
 from widellm.core.outputs import EplbStats
-from widellm.eplb.executor import exchange_layer_move, plan_layer_moves, prepare_layer_move
+from widellm.eplb.collectives import EplbCollectives, TorchEplbCollectives
+from widellm.eplb.executor import plan_layer_moves
 from widellm.eplb.planner import balancedness, rank_load, rebalance_experts
 from widellm.eplb.stats import ExpertLoadRecorder
 from widellm.layers.moe.layer import FusedMoE
@@ -39,7 +42,8 @@ HISTORY_LEN = 32
 
 class EplbController:
     def __init__(self, moe_layers: Sequence[FusedMoE], config: EPLBConfig, rank: int,
-                 num_ranks: int, num_nodes: int, group: dist.ProcessGroup) -> None:
+                 num_ranks: int, num_nodes: int, group: dist.ProcessGroup | None,
+                 collectives: EplbCollectives | None = None) -> None:
         if not moe_layers or any(m.placement is None for m in moe_layers):
             raise ValueError("EPLB needs MoE layers built with EPLB placement")
         self.layers = list(moe_layers)
@@ -50,7 +54,11 @@ class EplbController:
         self.num_logical = first.num_experts
         self.num_physical = first.placement.phys_to_logical.numel()
         self.num_groups = first.routing.num_expert_group or 1
-        self.device = first.w13_weight.device
+        # (The placement lives with the weights; a simulator's layers have no weights.)
+        self.device = first.placement.phys_to_logical.device
+        # The load all-reduce and the weight moves (torch.distributed unless given).
+        self.collectives: EplbCollectives = collectives or TorchEplbCollectives(
+            self.layers, rank, group, self.device)
         self.recorder = ExpertLoadRecorder(len(self.layers), self.num_physical,
                                            config.window_size, self.device)
         for i, layer in enumerate(self.layers):
@@ -79,9 +87,7 @@ class EplbController:
 
     def _global_physical_load(self) -> torch.Tensor:
         """``[layers, P]`` tokens per physical slot over the window, summed over all ranks."""
-        load = self.recorder.window_load()  # a fresh tensor: safe to reduce in place
-        dist.all_reduce(load, group=self.group)
-        return load.cpu()
+        return self.collectives.sum_load(self.recorder.window_load())  # a fresh tensor
 
     def _rank_balancedness(self, physical_load: torch.Tensor) -> float:
         per_rank = physical_load.view(len(self.layers), self.num_ranks, -1).sum(-1)
@@ -126,40 +132,25 @@ class EplbController:
     # ---- moving --------------------------------------------------------------------------
 
     def _move_next_layer(self) -> None:
-        """Move one queued layer. Two agreements: after the local preparation (so a rank that
-        failed there never leaves its peers waiting inside the all-to-all) and after the
-        exchange (so maps switch on every rank or on none)."""
+        """Move one queued layer; its maps switch only if every rank moved it (see
+        ``eplb/collectives.py`` for the agreements)."""
         index, new_p2l = self.pending.pop(0)
         layer = self.layers[index]
         start = time.perf_counter()
-        plan = prepared = new_weights = None
+        plan = None
         try:
             plan = plan_layer_moves(layer.placement.phys_to_logical.cpu(), new_p2l,
                                     self.num_ranks)
-            prepared = prepare_layer_move((layer.w13_weight.data, layer.w2_weight.data), plan,
-                                          self.rank)
         except Exception:  # noqa: BLE001 - any failure keeps the old placement
-            logger.exception("EPLB: preparing layer %d failed; keeping its placement", index)
-        if self._all_agree(prepared is not None):
-            try:
-                new_weights = exchange_layer_move(prepared, plan, self.rank, self.group)
-            except Exception:  # noqa: BLE001
-                logger.exception("EPLB: moving layer %d failed; keeping its placement", index)
-            if self._all_agree(new_weights is not None):
-                layer.w13_weight.data, layer.w2_weight.data = new_weights
-                layer.placement.update_(new_p2l)
-                if not self.pending:
-                    self.stats.num_rebalances += 1
-                    self.recorder.reset()  # measure the new placement from scratch
-                new_weights = True
-        if new_weights is not True:
+            logger.exception("EPLB: planning layer %d failed; keeping its placement", index)
+        if self.collectives.move_layer(index, plan):
+            layer.placement.update_(new_p2l)
+            if not self.pending:
+                self.stats.num_rebalances += 1
+                self.recorder.reset()  # measure the new placement from scratch
+        else:
             self.pending.clear()  # the layers not moved yet keep their placement
             self.stats.num_failed_rebalances += 1
         stall = time.perf_counter() - start
         self.stats.max_stall_s = max(self.stats.max_stall_s, stall)
         self.stats.total_stall_s += stall
-
-    def _all_agree(self, ok: bool) -> bool:
-        flag = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return int(flag) == 1
