@@ -1,4 +1,4 @@
-"""``widellm`` command line: serve, generate, chat, bench (also ``python -m widellm``)."""
+"""``widellm`` command line: serve, generate, chat, bench, simulate (also ``python -m widellm``)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> None:
     bench_serve_main(args)
 
 
+def cmd_simulate(args: argparse.Namespace) -> None:
+    from widellm.sim.cli import run
+
+    run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     return build_parsers()[0]
 
@@ -132,6 +138,13 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
     add_serve_args(sv)
     sv.set_defaults(func=cmd_bench_serve)
+
+    sim = sub.add_parser("simulate", help="simulate a wide-EP deployment in virtual time")
+    from widellm.sim.cli import add_cli_args as add_simulate_args
+
+    add_simulate_args(sim)
+    # The parser rides along so main() can fill it from simulate's own --config file.
+    sim.set_defaults(func=cmd_simulate, sim_parser=sim)
     return parser, serve
 
 
@@ -145,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(args, "config", None):
         # The file's values become serve's defaults; parsing again lets the command line win.
         apply_config_file(serve, args.config)
+        args = parser.parse_args(argv)
+    if getattr(args, "sim_config", None):
+        apply_config_file(args.sim_parser, args.sim_config)
         args = parser.parse_args(argv)
     try:
         args.func(args)
