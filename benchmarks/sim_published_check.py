@@ -23,16 +23,9 @@ from __future__ import annotations
 from widellm.sim import links
 from widellm.sim.cost_model import make_cost_model
 from widellm.sim.hardware import H100, H200
+from widellm.sim.known_models import DEEPSEEK_V3
 from widellm.sim.types import DeploymentShape, RankStepLoad
 
-# deepseek-ai/DeepSeek-V3 config.json (MTP layer not counted).
-DEEPSEEK_V3 = {
-    "hidden_size": 7168, "vocab_size": 129280, "num_hidden_layers": 61,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "n_routed_experts": 256, "num_experts_per_tok": 8,
-    "n_shared_experts": 1, "first_k_dense_replace": 3, "q_lora_rank": 1536,
-    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-}
 TOP_K = 8
 EXPERTS = 256
 REDUNDANT = 32
