@@ -47,13 +47,7 @@ class DispatchedTokens:
 
 
 class DispatchHandle:
-    """Opaque state from ``dispatch_launch`` that ``dispatch_wait`` and ``combine_launch`` use.
-
-    ``hands_over_in_wait`` is True for a backend whose ``dispatch_wait`` launches the transfer
-    that matters (the rows) and hands over to the other micro-batch itself; the layer then does
-    not also hand over right after ``dispatch_launch`` (see ``FusedMoE.forward``)."""
-
-    hands_over_in_wait: bool = False
+    """Opaque state from ``dispatch_launch`` that ``dispatch_wait`` and ``combine_launch`` use."""
 
 
 class CombineHandle:

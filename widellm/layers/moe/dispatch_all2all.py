@@ -34,11 +34,6 @@ from widellm.layers.moe.dispatch_ep import ExpertParallelDispatcher, RowCodec, g
 
 @dataclass
 class _All2AllDispatchHandle(DispatchHandle):
-    # The count exchange is a few bytes; the rows are the transfer to hide. Handing over after
-    # the counts' launch too would put three hand-overs in a layer, and the first micro-batch's
-    # rows would then travel only while the second one packs; with the one hand-over after the
-    # rows' launch, each micro-batch's rows travel behind the other's attention or experts.
-    hands_over_in_wait = True
     counts_work: TrackedWork
     # [ep_size] int64 rows this rank sends each rank, and (once counts_work is done) receives.
     send_counts: torch.Tensor

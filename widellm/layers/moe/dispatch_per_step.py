@@ -30,10 +30,6 @@ class _ChosenDispatch(DispatchHandle):
     backend: MoEDispatcher
     inner: DispatchHandle
 
-    @property
-    def hands_over_in_wait(self) -> bool:
-        return self.inner.hands_over_in_wait
-
 
 @dataclass
 class _ChosenCombine(CombineHandle):

@@ -299,8 +299,7 @@ class FusedMoE(nn.Module):
         timer = _timer()
         with maybe_phase(timer, "moe_dispatch"):
             dispatch_handle = self.dispatch_launch(hidden_states, topk_ids, topk_weights)
-        if not dispatch_handle.hands_over_in_wait:
-            dbo_yield()  # dual-batch overlap: the other micro-batch computes while tokens travel
+        dbo_yield()  # dual-batch overlap: the other micro-batch computes while tokens travel
         shared = shared_experts(hidden_states) if shared_experts is not None else None
         with maybe_phase(timer, "moe_dispatch"):
             tokens = self.dispatcher.dispatch_wait(dispatch_handle)
