@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -70,3 +71,46 @@ def test_fit_half_m_recovers_a_synthetic_curve():
     curve = {m: 1e12 * m / (m + 32) for m in (1, 8, 32, 128, 512, 2048)}
     peak, half_m = _fit_half_m(curve)
     assert half_m == 32 and peak == pytest.approx(1e12)
+
+
+def test_op_time_is_max_when_overlapped_and_sum_when_not():
+    assert H100.op_time(2.0, 3.0) == 3.0  # GPUs stream weights while they compute
+    assert dataclasses.replace(H100, roofline_overlap=0.0).op_time(2.0, 3.0) == 5.0
+    assert dataclasses.replace(H100, roofline_overlap=0.5).op_time(2.0, 3.0) == 4.0
+    with pytest.raises(ValueError):
+        dataclasses.replace(H100, roofline_overlap=1.5)
+
+
+def test_expert_curve_interpolates_and_extends():
+    p = dataclasses.replace(H100, expert_curve=[[1.0, 2.0], [3.0, 4.0], [10.0, 20.0]])
+    assert p.expert_curve == ((1.0, 2.0), (3.0, 4.0), (10.0, 20.0))  # JSON lists -> tuples
+    assert p.expert_seconds_per_byte(2.0) == 3.0  # halfway between the first two points
+    assert p.expert_seconds_per_byte(20.0) == 40.0  # past the last: in proportion to rows
+    # Below the first point: the share of experts hit, 1 - exp(-rows), relative to the first's.
+    assert p.expert_seconds_per_byte(0.5) == pytest.approx(
+        2.0 * (1 - math.exp(-0.5)) / (1 - math.exp(-1.0)))
+
+
+def test_shared_host_splits_the_machine():
+    cpu = dataclasses.replace(
+        H100, ranks_share_host=True, gpus_per_node=2, peak_flops_fp32=8e12,
+        expert_curve=((1.0, 2.0),), core_expert_curve=((1.0, 3.0),), core_mem_bandwidth=1e12,
+        core_peak_flops_fp32=3e12)
+    half = cpu.shared_by(2)  # one core each: the figures timed next to a busy neighbour
+    assert (half.mem_bandwidth, half.peak_flops_fp32) == (1e12, 3e12)
+    assert half.peak_flops_bf16 == H100.peak_flops_bf16 / 2
+    assert half.expert_curve == ((1.0, 3.0),)
+    wide = dataclasses.replace(cpu, gpus_per_node=8).shared_by(2)  # 4 cores each
+    assert wide.expert_curve == ((1.0, 4.0),)
+    assert (wide.mem_bandwidth, wide.peak_flops_fp32) == (H100.mem_bandwidth / 2, 4e12)
+    assert cpu.shared_by(1) is cpu
+
+
+def test_two_point_kernel_fit_by_hand():
+    from widellm.sim.profiles.measure_kernels import fit_two_points
+
+    # 100 bytes; 10 FLOPs in 2 s and 110 FLOPs in 3 s: 100 FLOPs per s, so the first call read
+    # its weights in 2 - 0.1 = 1.9 s.
+    fit = fit_two_points(100.0, (10.0, 110.0), (2.0, 3.0))
+    assert fit.flops_rate == pytest.approx(100.0)
+    assert fit.bandwidth == pytest.approx(100.0 / 1.9)

@@ -5,11 +5,13 @@ Per operation (all per rank; sources of the constants in ``hardware.py``):
 
 * GEMMs (attention projections, dense MLPs, shared experts, router, LM head): a roofline,
   ``max(2 M P / (peak(dtype) * eff(M)), P * bytes(dtype) / (bw * gemm_mem_eff))`` for M rows
-  and P weights, with ``eff(M)`` DeepGEMM's measured efficiency curve. Weights in ``fp8`` run
+  and P weights, with ``eff(M)`` DeepGEMM's measured efficiency curve (the CPU profile: the
+  sum of the two terms, ``roofline_overlap`` 0, as widellm's CPU linear measures). Weights in ``fp8`` run
   at the FP8 peak; MLA's kv_b and the LM head stay BF16 (as in DeepSeek's FP8 checkpoint).
 * Routed experts: the same roofline over the rows this rank's experts receive
   (``expert_recv_tokens``), at the efficiency of the mean rows per active expert, reading each
-  active expert's weights once. An unbalanced EPLB placement gives one rank more rows, and the
+  active expert's weights once (the CPU profile: widellm's expert kernel's measured curve over
+  rows per expert instead). An unbalanced EPLB placement gives one rank more rows, and the
   lockstep rule below makes every rank pay for it.
 * Attention: FLOPs of the (row, key) pairs at the attention efficiency vs the KV bytes read at
   its memory efficiency, whichever is longer. MLA decode is absorbed, prefill expanded (plus
@@ -115,7 +117,7 @@ class AnalyticCostModel:
         p = self.profile
         compute = 2.0 * rows * params / (p.peak_flops(dtype) * p.gemm_efficiency(rows))
         memory = params * DTYPE_BYTES[dtype] / (p.mem_bandwidth * p.gemm_mem_eff)
-        return max(compute, memory)
+        return p.op_time(compute, memory)
 
     def attention_time(self, pairs: float, kv_tokens: float, flops_per_pair: int) -> float:
         """One layer's attention core: FLOPs of the pairs vs bytes of the KV read."""
@@ -123,8 +125,8 @@ class AnalyticCostModel:
         flops = pairs * flops_per_pair
         kv_bytes = kv_tokens * self.shape.kv_values_per_token * DTYPE_BYTES[self.kv_dtype]
         attn_dtype = "fp32" if self.kv_dtype in ("fp32", "float32") else "bf16"
-        return max(flops / (p.peak_flops(attn_dtype) * p.attn_compute_eff),
-                   kv_bytes / (p.mem_bandwidth * p.attn_mem_eff))
+        return p.op_time(flops / (p.peak_flops(attn_dtype) * p.attn_compute_eff),
+                         kv_bytes / (p.mem_bandwidth * p.attn_mem_eff))
 
     # --- one rank ---------------------------------------------------------------------------
     def _parts(self, load: RankStepLoad, scale: float, mode: str, t_max: float) -> _Parts:
@@ -145,13 +147,16 @@ class AnalyticCostModel:
         recv *= scale
         active = min(active, math.ceil(recv)) if recv > 0 else 0
         experts = 0.0
-        if recv > 0 and active > 0:
-            p = self.profile
+        p = self.profile
+        if recv > 0 and p.expert_curve:
+            local = self._local_experts()
+            experts = (local * s.expert_params * DTYPE_BYTES[wd]
+                       * p.expert_seconds_per_byte(recv / local))
+        elif recv > 0 and active > 0:
             compute = 2.0 * recv * s.expert_params / (
                 p.peak_flops(wd) * p.gemm_efficiency(recv / active))
             weights = active * s.expert_params * DTYPE_BYTES[wd]
-            memory = weights / (p.mem_bandwidth * p.gemm_mem_eff)
-            experts = max(compute, memory)
+            experts = p.op_time(compute, weights / (p.mem_bandwidth * p.gemm_mem_eff))
         dispatch, combine = self._comm(load, scale, mode, t_max * scale)
         lm_rows = 0 if load.is_dummy else load.num_seqs * scale
         kernels = (s.num_layers * KERNELS_PER_LAYER["attention"]
@@ -179,13 +184,17 @@ class AnalyticCostModel:
                       + rows * MLP_ACT_PASSES * shared_inter) * per_value,
         )
 
+    def _local_experts(self) -> float:
+        s, d = self.shape, self.deployment
+        return ((s.n_routed_experts + d.num_redundant_experts) / d.num_ranks
+                if d.expert_parallel else s.n_routed_experts)
+
     def _expert_rows(self, load: RankStepLoad) -> tuple[float, int]:
         """(rows this rank's experts compute, active local experts) per MoE layer."""
-        s, d = self.shape, self.deployment
+        s = self.shape
         if s.num_moe_layers == 0:
             return 0.0, 0
-        local = ((s.n_routed_experts + d.num_redundant_experts) / d.num_ranks
-                 if d.expert_parallel else s.n_routed_experts)
+        local = self._local_experts()
         recv, active = load.expert_recv_tokens, load.active_local_experts
         if recv <= 0 and load.num_tokens > 0 and not load.is_dummy:
             # The runner left the routing counts out: uniform routing, balanced ranks.
@@ -306,11 +315,12 @@ class AnalyticCostModel:
             launch = kernels * p.launch_graph_s
         else:
             launch = max(0.0, kernels * p.launch_eager_s - device)
-        total = device + launch + p.step_overhead_s
-        return [self._cost(x, n_mb, slow if split else 1.0, total, launch) for x in parts]
+        host = p.step_overhead_s + p.step_overhead_per_seq_s * max(ld.num_seqs for ld in loads)
+        total = device + launch + host
+        return [self._cost(x, n_mb, slow if split else 1.0, total, launch, host) for x in parts]
 
-    def _cost(self, x: _Parts, n_mb: int, slow: float, total: float,
-              launch: float) -> RankStepCost:
+    def _cost(self, x: _Parts, n_mb: int, slow: float, total: float, launch: float,
+              host: float) -> RankStepCost:
         s = self.shape
         attention = n_mb * s.num_layers * x.attention
         dense = n_mb * (s.num_layers * x.attn_proj + x.dense_mlp_total
@@ -328,14 +338,13 @@ class AnalyticCostModel:
             exposed = max(0.0, comm - compute_moe)
         else:
             exposed = comm
-        busy = (attention + dense + experts + elementwise + exposed + launch
-                + self.profile.step_overhead_s)
+        busy = attention + dense + experts + elementwise + exposed + launch + host
         breakdown = {
             "attention": attention, "dense_gemm": dense, "expert_gemm": experts,
             "elementwise": elementwise,
             "dispatch": dispatch, "combine": combine, "launch": launch,
             "wait": max(0.0, total - busy), "exposed_comm": exposed,
-            "hidden_comm": comm - exposed, "host": self.profile.step_overhead_s,
+            "hidden_comm": comm - exposed, "host": host,
         }
         return RankStepCost(total_s=total, breakdown=breakdown)
 
@@ -358,13 +367,7 @@ def _per_rank(profile: HardwareProfile, deployment: DeploymentShape) -> Hardware
     """Ranks sharing one host (CPU) split its compute and memory bandwidth."""
     if not profile.ranks_share_host:
         return profile
-    k = max(1, min(deployment.ranks_per_node, deployment.num_ranks))
-    if k == 1:
-        return profile
-    return dataclasses.replace(
-        profile, peak_flops_bf16=profile.peak_flops_bf16 / k,
-        peak_flops_fp8=profile.peak_flops_fp8 / k, peak_flops_fp32=profile.peak_flops_fp32 / k,
-        mem_bandwidth=profile.mem_bandwidth / k)
+    return profile.shared_by(max(1, min(deployment.ranks_per_node, deployment.num_ranks)))
 
 
 def make_cost_model(hf_config: Any, profile: HardwareProfile, deployment: DeploymentShape,

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -133,6 +134,17 @@ class HardwareProfile:
             gloo ``all2all_fixed``) instead of only the rows used (DeepEP low-latency).
         step_overhead_s: host work per engine step outside the forward (scheduling, sampling,
             output processing) that the device does not hide (0 on GPUs: async scheduling).
+        step_overhead_per_seq_s: the same, per sequence of the step (the busiest rank's).
+        roofline_overlap: how far an op's compute and weight read overlap: 1 prices an op at
+            ``max(compute, memory)`` (GPU kernels stream weights while they compute), 0 at their
+            sum (the CPU profile: its timings of the engine's own kernels fit a sum).
+        expert_curve: the routed-expert kernel measured on this machine (CPU profile):
+            ``((mean rows per expert, seconds per byte of the experts' weights), ...)``, rows
+            ascending; empty (GPUs) prices experts by the GEMM roofline.
+        core_peak_flops_fp32, core_mem_bandwidth, core_expert_curve: one rank on one core
+            while another process keeps the next core busy (the CPU profile: timed on one
+            thread next to a busy neighbour), used once ranks split the machine's cores one
+            each; 0 / empty: a ``k``-th of the whole machine's figures.
         source: where the numbers come from (machine and date for measured profiles).
     """
 
@@ -165,6 +177,12 @@ class HardwareProfile:
     ranks_share_host: bool = False
     fixed_a2a_full_buffer: bool = False
     step_overhead_s: float = 0.0
+    step_overhead_per_seq_s: float = 0.0
+    roofline_overlap: float = 1.0
+    expert_curve: tuple[tuple[float, float], ...] = ()
+    core_peak_flops_fp32: float = 0.0
+    core_mem_bandwidth: float = 0.0
+    core_expert_curve: tuple[tuple[float, float], ...] = ()
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -179,6 +197,49 @@ class HardwareProfile:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
+        if not 0 <= self.roofline_overlap <= 1:
+            raise ValueError(f"roofline_overlap must be in [0, 1], got {self.roofline_overlap}")
+        # JSON gives lists; keep the frozen profile hashable and comparable.
+        for name in ("expert_curve", "core_expert_curve"):
+            object.__setattr__(self, name,
+                               tuple((float(r), float(t)) for r, t in getattr(self, name)))
+
+    def op_time(self, compute_s: float, memory_s: float) -> float:
+        """An op's seconds from its compute and memory times (see ``roofline_overlap``)."""
+        return (max(compute_s, memory_s)
+                + (1.0 - self.roofline_overlap) * min(compute_s, memory_s))
+
+    def expert_seconds_per_byte(self, rows_per_expert: float) -> float:
+        """``expert_curve`` at ``rows_per_expert``: linear between its points; below the first,
+        in proportion to the share of experts that get a row under uniform routing
+        (``1 - exp(-rows per expert)``: an idle expert's weights are not read); past the last,
+        in proportion to the rows (compute bound)."""
+        curve = self.expert_curve
+        if rows_per_expert <= curve[0][0]:
+            first_rows, first_t = curve[0]
+            return first_t * (-math.expm1(-rows_per_expert)) / (-math.expm1(-first_rows))
+        for (r0, t0), (r1, t1) in zip(curve, curve[1:]):
+            if rows_per_expert <= r1:
+                return t0 + (t1 - t0) * (rows_per_expert - r0) / (r1 - r0)
+        last_rows, last_t = curve[-1]
+        return last_t * rows_per_expert / last_rows
+
+    def shared_by(self, k: int) -> "HardwareProfile":
+        """One rank's profile when ``k`` ranks share this host (``ranks_share_host``): the
+        ``core_*`` figures once each rank has one core, else a ``k``-th of the machine."""
+        if k <= 1:
+            return self
+        one_core = k >= self.gpus_per_node
+        curve = (self.core_expert_curve if one_core and self.core_expert_curve
+                 else tuple((rows, seconds * k) for rows, seconds in self.expert_curve))
+        fp32 = (self.core_peak_flops_fp32 if one_core and self.core_peak_flops_fp32
+                else self.peak_flops_fp32 / k)
+        bandwidth = (self.core_mem_bandwidth if one_core and self.core_mem_bandwidth
+                     else self.mem_bandwidth / k)
+        return dataclasses.replace(
+            self, peak_flops_bf16=self.peak_flops_bf16 / k,
+            peak_flops_fp8=self.peak_flops_fp8 / k, peak_flops_fp32=fp32,
+            mem_bandwidth=bandwidth, expert_curve=curve)
 
     def gemm_efficiency(self, rows: float) -> float:
         """Fraction of peak FLOP/s a GEMM with ``rows`` rows (M) reaches."""

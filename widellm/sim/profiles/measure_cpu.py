@@ -1,15 +1,20 @@
 """Measure this machine's ``HardwareProfile`` ("cpu"): torch matmul throughput at several row
 counts (bf16, fp32), memory-copy bandwidth, the host cost of one small torch op, an
-attention-shaped batched matmul, and gloo all-to-all latency and bandwidth between two local
-processes. ``quick=True`` takes well under 20 s on a 2-core machine.
+attention-shaped batched matmul, gloo all-to-all latency and bandwidth between two local
+processes (idle, and between ranks that compute in between: the lockstep exchange's real
+cost), and widellm's own linear and routed-expert kernels (``measure_kernels.py``) on all
+threads and on one thread next to a busy neighbour process (the ``core_*`` fields a DP rank
+with one core uses). ``quick=True`` takes about 20 s on a 2-core machine.
 
 Every measured number is the fastest of many single calls (other load on the cores only ever
-makes a call slower); run it on an idle machine all the same. Compute (matmuls, the small op,
-attention) is timed on one thread and scaled by the thread count (see ``_one_thread``); the
-copy bandwidth uses every thread. The GEMM curve is stored as ``peak_flops_bf16`` (the peak
-of the fitted curve) with ``gemm_plateau_eff`` = 1 and ``gemm_half_m`` fitted to the
-measured rise with M; ``attn_compute_eff`` is the attention-shaped bmm's throughput over that
-peak (a torch proxy, not widellm's own MLA kernel).
+makes a call slower), except the busy all-to-all (a median); run it on an idle machine all the
+same. The generic compute figures (matmuls, the small op, attention) are timed on one thread
+and scaled by the thread count (see ``_one_thread``); the copy bandwidth and the engine kernels
+use every thread. The GEMM curve is stored as ``peak_flops_bf16`` (the peak of the fitted curve)
+with ``gemm_half_m`` fitted to the measured rise with M; ``attn_compute_eff`` is the
+attention-shaped bmm's throughput over that peak (a torch proxy, not widellm's own MLA kernel).
+The host time per engine step is not measured here: ``widellm.sim.calibration`` fits it on
+probes of the real engine.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from typing import Callable, Iterator
 import torch
 
 from widellm.sim.hardware import HardwareProfile
+from widellm.sim.profiles.measure_kernels import (
+    busy_neighbour, measure_expert_curve, measure_linear,
+)
 
 MATMUL_K = MATMUL_N = 1024  # weights of 2 MB in bf16: cache resident, so compute is measured
 MATMUL_ROWS = (1, 8, 32, 128, 512, 2048)
@@ -135,6 +143,20 @@ for num_bytes in (int(sys.argv[5]), int(sys.argv[6])):
         dist.all_to_all_single(recv, send)
         best = min(best, time.perf_counter() - start)
     results.append(best)
+# Between busy ranks: each computes a few ms on its one core, then they exchange; the median
+# exchange (not the best) includes waking the peer and the skew of two busy processes, as a
+# rank's all-to-all meets them in the engine's lockstep.
+w, x = torch.randn(2048, 2048), torch.randn(64, 2048)
+send = torch.ones(2 * int(sys.argv[5]) // 4, dtype=torch.float32)
+recv = torch.empty_like(send)
+times = []
+for _ in range(4 * reps):
+    for _ in range(4):
+        torch.mm(x, w.t())
+    start = time.perf_counter()
+    dist.all_to_all_single(recv, send)
+    times.append(time.perf_counter() - start)
+results.append(sorted(times)[len(times) // 2])
 if rank == 0:
     with open(out, "w") as f:
         f.write(" ".join(repr(r) for r in results))
@@ -143,9 +165,10 @@ dist.destroy_process_group()
 A2A_TIMEOUT_S = 120
 
 
-def _gloo_all_to_all(reps: int) -> tuple[float, float]:
-    """(latency s, bandwidth B/s per direction) of a 2-process gloo all-to-all on this host:
-    latency from a 4 KB exchange, bandwidth from the extra time of a 16 MB one."""
+def _gloo_all_to_all(reps: int) -> tuple[float, float, float]:
+    """(latency s, bandwidth B/s per direction, latency between busy ranks s) of a 2-process
+    gloo all-to-all on this host: latency from a 4 KB exchange, bandwidth from the extra time
+    of a 16 MB one, the busy latency from 4 KB exchanges between bursts of compute."""
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out")
         procs = [subprocess.Popen([sys.executable, "-c", _A2A_WORKER, str(rank), store,
@@ -155,12 +178,35 @@ def _gloo_all_to_all(reps: int) -> tuple[float, float]:
             if proc.wait(timeout=A2A_TIMEOUT_S) != 0:
                 raise RuntimeError(f"gloo all-to-all worker failed ({proc.returncode})")
         with open(out, encoding="utf-8") as f:
-            small, large = (float(x) for x in f.read().split())
+            small, large, busy = (float(x) for x in f.read().split())
     bandwidth = (A2A_LARGE_BYTES - A2A_SMALL_BYTES) / max(large - small, 1e-9)
-    return small, bandwidth
+    return small, bandwidth, busy
 
 
-def measure_cpu_profile(quick: bool = True, with_all_to_all: bool = True) -> HardwareProfile:
+def _engine_kernel_fields(peak_fp32: float, bandwidth: float, reps: int) -> dict:
+    """Fields from timings of widellm's own linear and expert kernels (``measure_kernels``),
+    on all threads and on one thread next to a busy neighbour (the ``core_*`` fields). A
+    read-only weight stream can beat the copy bandwidth, and the packed linear the plain
+    matmul's peak, so those two are raised to what the linear reached; the core figures are
+    stored so that the same GEMM efficiencies apply to them."""
+    linear = measure_linear(reps)
+    with _one_thread(), busy_neighbour():
+        core_linear = measure_linear(reps)
+        core_curve = measure_expert_curve(reps)
+    peak_fp32 = max(peak_fp32, linear.flops_rate)
+    bandwidth = max(bandwidth, linear.bandwidth)
+    compute_eff, mem_eff = linear.flops_rate / peak_fp32, linear.bandwidth / bandwidth
+    return dict(
+        peak_flops_fp32=peak_fp32, mem_bandwidth=bandwidth,
+        gemm_plateau_eff=compute_eff, gemm_mem_eff=mem_eff,
+        expert_curve=measure_expert_curve(reps), roofline_overlap=0.0,
+        core_peak_flops_fp32=core_linear.flops_rate / compute_eff,
+        core_mem_bandwidth=core_linear.bandwidth / mem_eff, core_expert_curve=core_curve,
+    )
+
+
+def measure_cpu_profile(quick: bool = True, with_all_to_all: bool = True,
+                        with_engine_kernels: bool = True) -> HardwareProfile:
     """This machine's profile (see the module docstring); ``quick`` shortens every timing."""
     reps, min_s = (3, 0.05) if quick else (7, 0.2)
     load_at_start = os.getloadavg()[0]
@@ -174,8 +220,12 @@ def measure_cpu_profile(quick: bool = True, with_all_to_all: bool = True) -> Har
     peak_bf16, half_m = _fit_half_m(curve)
     bandwidth = _copy_bandwidth(reps, min_s)
     attn_eff = min(1.0, attn_flops / peak_bf16)
-    a2a_latency, a2a_bw = _gloo_all_to_all(10 if quick else 30) if with_all_to_all else (
-        50e-6, bandwidth / 2)
+    a2a_latency, a2a_bw, a2a_busy = _gloo_all_to_all(10 if quick else 30) if with_all_to_all \
+        else (50e-6, bandwidth / 2, 50e-6)
+    kernels = dict(peak_flops_fp32=peak_fp32, mem_bandwidth=bandwidth, gemm_plateau_eff=1.0,
+                   gemm_mem_eff=1.0)
+    if with_engine_kernels:
+        kernels = _engine_kernel_fields(peak_fp32, bandwidth, reps + 2)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     source = (f"measured by widellm.sim.profiles.measure_cpu on {socket.gethostname()} "
@@ -185,18 +235,16 @@ def measure_cpu_profile(quick: bool = True, with_all_to_all: bool = True) -> Har
               f"bf16 matmul GFLOP/s by rows: "
               + ", ".join(f"{m}:{f / 1e9:.0f}" for m, f in curve.items()))
     return HardwareProfile(
-        name="cpu", peak_flops_bf16=peak_bf16, peak_flops_fp8=0.0, peak_flops_fp32=peak_fp32,
-        mem_bandwidth=bandwidth, memory_bytes=float(memory),
+        name="cpu", peak_flops_bf16=peak_bf16, peak_flops_fp8=0.0, memory_bytes=float(memory),
         nvlink_bandwidth=a2a_bw, nvlink_latency_s=a2a_latency,
         internode_bandwidth=a2a_bw, internode_latency_s=a2a_latency,
         gpus_per_node=os.cpu_count() or 1, num_sms=0,
-        gemm_plateau_eff=1.0, gemm_half_m=half_m, gemm_mem_eff=1.0,
-        attn_compute_eff=attn_eff, attn_mem_eff=1.0,
+        gemm_half_m=half_m, attn_compute_eff=attn_eff, attn_mem_eff=1.0,
         a2a_nvlink_eff=1.0, a2a_rdma_eff=1.0,
-        a2a_dispatch_latency_s=a2a_latency, a2a_combine_latency_s=a2a_latency,
+        a2a_dispatch_latency_s=a2a_busy, a2a_combine_latency_s=a2a_busy,
         comm_sms_normal=0, dispatch_fp8=False, launch_eager_s=op_s, launch_graph_s=op_s,
         async_launch=False, ranks_share_host=True, fixed_a2a_full_buffer=True,
-        source=source,
+        source=source, **kernels,
     )
 
 

@@ -1,0 +1,72 @@
+"""Issue 26's calibration on the machine that runs the suite: the simulator with a CPU profile
+measured here predicts the real engine's offline output tok/s and mean step time on
+preset:deepseek-v3-small, on one rank and on two expert-parallel ranks.
+
+The profile is measured in this test (micro-benchmarks of the matmul peak, the copy bandwidth,
+widellm's linear and expert kernels on all threads and on one thread next to a busy neighbour,
+gloo all-to-alls idle and between busy ranks); the only number taken from the engine is the
+host time per step and per sequence, fitted on probes of 1 and 8 sequences that none of the
+compared cases is (``widellm/sim/calibration.py``). Both sides run in this one test.
+
+The issue's bound is 15%. One run of each side moves by about 10% here (machine noise, on both
+sides), so a single run is asserted within 25%, and the 15% is judged on the medians of
+repeated rounds: ``benchmarks/sim_calibration.py``, results in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from widellm.sim.calibration import CalibrationCase, EngineSettings, calibrate
+from widellm.sim.profiles.measure_cpu import measure_cpu_profile
+
+SINGLE_RUN_TOLERANCE = 0.25
+# Small enough for the suite; decode-dominated like the benchmark (docs/BENCHMARKS.md has the
+# 32 x 64 / 64 figures).
+CASES = [CalibrationCase("dp1", 1, 16, 32, 32), CalibrationCase("dp2-ep2", 2, 16, 32, 32)]
+
+
+@pytest.mark.timeout(600)
+def test_simulator_predicts_the_engine_on_this_machine():
+    profile = measure_cpu_profile(quick=True)
+    # Engine limits sized to the workload: less start-up warm-up, same steps.
+    settings = EngineSettings("preset:deepseek-v3-small", num_kv_blocks=512, max_num_seqs=16,
+                              max_num_batched_tokens=512)
+    fitted, rows = calibrate(settings, profile, CASES)
+    table = "\n".join(
+        f"{r.case.name}: tok/s real {r.real.output_tok_s:.1f} sim {r.simulated.output_tok_s:.1f}"
+        f" ({r.throughput_error:+.1%}); step ms real {r.real.mean_step_s * 1e3:.1f} sim "
+        f"{r.simulated.mean_step_s * 1e3:.1f} ({r.step_time_error:+.1%})" for r in rows)
+    table += (f"\nhost time per step (probes): {fitted.step_overhead_s * 1e3:.1f} ms + "
+              f"{fitted.step_overhead_per_seq_s * 1e3:.2f} ms per sequence")
+    assert fitted.step_overhead_s + fitted.step_overhead_per_seq_s > 0, table
+    for row in rows:
+        # Both sides ran the same requests to the end in the same steps (give or take the one
+        # a DP > 1 client's step count, which comes with outputs, may lag by).
+        assert abs(row.simulated.num_steps - row.real.num_steps) <= 1, table
+        assert abs(row.throughput_error) <= SINGLE_RUN_TOLERANCE, table
+        assert abs(row.step_time_error) <= SINGLE_RUN_TOLERANCE, table
+    print(table)
+
+
+def test_probe_fit_recovers_a_known_host_time():
+    """Probes that took exactly 10 ms per step + 0.5 ms per sequence longer than the bare
+    simulation give back those two numbers, and the fitted profile then reproduces them."""
+    from widellm.sim.calibration import (
+        PROBE_INPUT_LEN, PROBE_OUTPUT_LEN, PROBE_SEQS, RunNumbers, fit_host_overhead,
+        simulate_case,
+    )
+    from widellm.sim.hardware import H100
+
+    settings = EngineSettings("preset:deepseek-v3-tiny", num_kv_blocks=1024)
+    probes = []
+    for seqs in (1, PROBE_SEQS):
+        case = CalibrationCase("probe", 1, seqs, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
+        bare = simulate_case(settings, H100, case)
+        probes.append(RunNumbers(0.0, bare.mean_step_s + 0.010 + 0.0005 * seqs, bare.num_steps))
+    fitted = fit_host_overhead(settings, H100, probes)
+    assert fitted.step_overhead_s == pytest.approx(0.010)
+    assert fitted.step_overhead_per_seq_s == pytest.approx(0.0005)
+    case = CalibrationCase("probe", 1, PROBE_SEQS, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
+    assert simulate_case(settings, fitted, case).mean_step_s == pytest.approx(
+        probes[1].mean_step_s)

@@ -1,0 +1,189 @@
+"""The simulator against the real engine on this machine: the same offline workload (``bench
+throughput``'s: random token-id prompts, greedy, every request ``output_len`` tokens) run by
+``LLM`` and by the simulator with a CPU profile measured here, compared on output tok/s and
+the mean step time (wall seconds / engine steps).
+
+The profile comes from micro-benchmarks (``profiles/measure_cpu.py``: matmul peak, copy
+bandwidth, widellm's linear and expert kernels, gloo all-to-all) plus two numbers taken from
+the engine itself: the host time per step and per sequence of a step that no kernel benchmark
+sees (Python around every op, sampling, per-request bookkeeping). They are fitted on two
+*probes* on one rank, one sequence and ``PROBE_SEQS`` sequences decoding, as the real mean step
+time minus the simulated one (a line through the two residuals); the cases compared afterwards
+(more sequences, two expert-parallel ranks) are not used to fit anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from widellm.sim.hardware import HardwareProfile
+
+PROBE_INPUT_LEN = 16
+PROBE_OUTPUT_LEN = 64
+PROBE_SEQS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationCase:
+    """One workload on one deployment (DP > 1 runs expert-parallel with ``all2all``)."""
+
+    name: str
+    data_parallel_size: int
+    num_prompts: int
+    input_len: int
+    output_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunNumbers:
+    output_tok_s: float
+    mean_step_s: float
+    num_steps: int
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationRow:
+    case: CalibrationCase
+    real: RunNumbers
+    simulated: RunNumbers
+
+    @property
+    def throughput_error(self) -> float:
+        return self.simulated.output_tok_s / self.real.output_tok_s - 1.0
+
+    @property
+    def step_time_error(self) -> float:
+        return self.simulated.mean_step_s / self.real.mean_step_s - 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """What both sides are given: the model and the engine's knobs that shape its steps."""
+
+    model: str
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    seed: int = 0
+
+
+def _engine_steps(llm: Any) -> int:
+    engine = llm.llm_engine
+    if engine.client is None:
+        return engine.engine_core.num_steps
+    return max((s.num_steps for s in engine.client.last_stats.values()), default=0)
+
+
+def _timed_generate(llm: Any, num_prompts: int, input_len: int, output_len: int,
+                    seed: int) -> RunNumbers:
+    from widellm import SamplingParams
+    from widellm.bench.datasets import random_token_prompts
+
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    prompts = random_token_prompts(num_prompts, input_len, vocab, seed)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    steps_before = _engine_steps(llm)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    steps = _engine_steps(llm) - steps_before
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return RunNumbers(tokens / elapsed, elapsed / max(steps, 1), steps)
+
+
+def run_engine(settings: EngineSettings, case: CalibrationCase,
+               probe: bool = False) -> tuple[RunNumbers, list[RunNumbers]]:
+    """(the case, and the probes of one and ``PROBE_SEQS`` sequences before it when
+    ``probe``) on the real engine."""
+    from widellm import LLM
+
+    dp = case.data_parallel_size
+    llm = LLM(settings.model, dtype=settings.dtype, block_size=settings.block_size,
+              num_kv_blocks=settings.num_kv_blocks, max_num_seqs=settings.max_num_seqs,
+              max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed,
+              data_parallel_size=dp, enable_expert_parallel=dp > 1, all2all_backend="all2all")
+    try:
+        probes = [_timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN, settings.seed)
+                  for n in ((1, PROBE_SEQS) if probe else ())]
+        return _timed_generate(llm, case.num_prompts, case.input_len, case.output_len,
+                               settings.seed), probes
+    finally:
+        llm.shutdown()
+
+
+def simulate_case(settings: EngineSettings, profile: HardwareProfile,
+                  case: CalibrationCase) -> RunNumbers:
+    """The case in the simulator on ``profile`` (no CUDA graphs: the CPU engine runs eager)."""
+    from widellm.sim import cli
+    from widellm.sim.cluster import default_cost_model_factory, simulate
+    from widellm.sim.report import to_json
+    from widellm.sim.workload import generate_requests
+
+    parser = argparse.ArgumentParser()
+    cli.add_cli_args(parser)
+    weight_dtype = {"float32": "fp32", "bfloat16": "bf16"}[settings.dtype]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "profile.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(profile.to_json_dict(), f)
+        args = parser.parse_args([
+            "--model", settings.model, "--hardware", path, "--enforce-eager",
+            "--num-ranks", str(case.data_parallel_size), "--all2all-backend", "all2all",
+            "--weight-dtype", weight_dtype, "--block-size", str(settings.block_size),
+            "--num-kv-blocks", str(settings.num_kv_blocks),
+            "--max-num-seqs", str(settings.max_num_seqs),
+            "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+            "--num-requests", str(case.num_prompts), "--input-len", str(case.input_len),
+            "--output-len", str(case.output_len), "--seed", str(settings.seed),
+        ])
+        inputs = cli.build_inputs(args)
+        requests = generate_requests(inputs.workload, inputs.hf_config.vocab_size)
+        summary = to_json(simulate(inputs.config, default_cost_model_factory(inputs.config),
+                                   requests, inputs.routing))
+    steps = summary["num_steps"]
+    return RunNumbers(summary["output_throughput"], summary["duration_s"] / max(steps, 1),
+                      steps)
+
+
+def fit_host_overhead(settings: EngineSettings, profile: HardwareProfile,
+                      probes: list[RunNumbers]) -> HardwareProfile:
+    """``profile`` with ``step_overhead_s`` and ``step_overhead_per_seq_s`` set so that the
+    simulated probes' mean steps equal the real ones (the line through the two residuals,
+    neither part below zero)."""
+    bare = dataclasses.replace(profile, step_overhead_s=0.0, step_overhead_per_seq_s=0.0)
+    residuals = []
+    for seqs, real in zip((1, PROBE_SEQS), probes):
+        case = CalibrationCase("probe", 1, seqs, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
+        residuals.append(real.mean_step_s - simulate_case(settings, bare, case).mean_step_s)
+    per_seq = max(0.0, (residuals[1] - residuals[0]) / (PROBE_SEQS - 1))
+    source = (f"{profile.source}; host time per step fitted on 1- and {PROBE_SEQS}-sequence "
+              f"probes of {settings.model} ({settings.dtype}) by widellm.sim.calibration")
+    return dataclasses.replace(profile, step_overhead_s=max(0.0, residuals[0] - per_seq),
+                               step_overhead_per_seq_s=per_seq, source=source)
+
+
+def calibrate(settings: EngineSettings, profile: HardwareProfile,
+              cases: list[CalibrationCase]) -> tuple[HardwareProfile, list[CalibrationRow]]:
+    """Run every case on the engine (the probes with the first DP1 case), fit the host
+    overhead on the probes, then simulate every case. Returns the fitted profile and a row
+    per case."""
+    real: dict[str, RunNumbers] = {}
+    probes: list[RunNumbers] = []
+    for case in cases:
+        want_probes = not probes and case.data_parallel_size == 1
+        real[case.name], probed = run_engine(settings, case, probe=want_probes)
+        probes = probes or probed
+    if not probes:
+        raise ValueError("the cases need one on a single rank (DP1) to carry the probes")
+    fitted = fit_host_overhead(settings, profile, probes)
+    return fitted, [CalibrationRow(c, real[c.name], simulate_case(settings, fitted, c))
+                    for c in cases]
