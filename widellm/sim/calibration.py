@@ -112,8 +112,11 @@ def run_engine(settings: EngineSettings, case: CalibrationCase,
               max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed,
               data_parallel_size=dp, enable_expert_parallel=dp > 1, all2all_backend="all2all")
     try:
-        probes = [_timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN, settings.seed)
-                  for n in ((1, PROBE_SEQS) if probe else ())]
+        # Each probe draws its prompts from its own seed: no prefix of the case's prompts may
+        # be in the prefix cache when the case runs (the simulated case starts cold).
+        probes = [_timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN,
+                                  settings.seed + 1 + i)
+                  for i, n in enumerate((1, PROBE_SEQS) if probe else ())]
         return _timed_generate(llm, case.num_prompts, case.input_len, case.output_len,
                                settings.seed), probes
     finally:

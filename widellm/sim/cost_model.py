@@ -6,8 +6,9 @@ Per operation (all per rank; sources of the constants in ``hardware.py``):
 * GEMMs (attention projections, dense MLPs, shared experts, router, LM head): a roofline,
   ``max(2 M P / (peak(dtype) * eff(M)), P * bytes(dtype) / (bw * gemm_mem_eff))`` for M rows
   and P weights, with ``eff(M)`` DeepGEMM's measured efficiency curve (the CPU profile: the
-  sum of the two terms, ``roofline_overlap`` 0, as widellm's CPU linear measures). Weights in ``fp8`` run
-  at the FP8 peak; MLA's kv_b and the LM head stay BF16 (as in DeepSeek's FP8 checkpoint).
+  sum of the two terms, ``roofline_overlap`` 0, as widellm's CPU linear measures). Weights in
+  ``fp8`` run at the FP8 peak; MLA's kv_b and the LM head stay BF16 (as in DeepSeek's FP8
+  checkpoint).
 * Routed experts: the same roofline over the rows this rank's experts receive
   (``expert_recv_tokens``), at the efficiency of the mean rows per active expert, reading each
   active expert's weights once (the CPU profile: widellm's expert kernel's measured curve over
