@@ -29,14 +29,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from widellm.sim.hardware import HardwareProfile
 from widellm.sim.profiles.measure_kernels import (
-    busy_neighbour, measure_expert_curve, measure_linear,
+    best_time, busy_neighbour, measure_expert_curve, measure_linear,
 )
 
 MATMUL_K = MATMUL_N = 1024  # weights of 2 MB in bf16: cache resident, so compute is measured
@@ -62,24 +61,10 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _best_time(fn: Callable[[], object], reps: int, min_s: float) -> float:
-    """Fastest single call of ``fn`` in ``reps * min_s`` seconds of calls (at least ``reps``
-    calls): the least disturbed by other load on a shared machine, which only ever adds."""
-    fn()
-    budget = reps * min_s
-    best, calls, start = float("inf"), 0, time.perf_counter()
-    while calls < reps or time.perf_counter() - start < budget:
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        calls += 1
-    return best
-
-
 def _matmul_flops(rows: int, dtype: torch.dtype, reps: int, min_s: float) -> float:
     x = torch.randn(rows, MATMUL_K).to(dtype)
     w = torch.randn(MATMUL_N, MATMUL_K).to(dtype)
-    seconds = _best_time(lambda: torch.nn.functional.linear(x, w), reps, min_s)
+    seconds = best_time(lambda: torch.nn.functional.linear(x, w), reps, min_s)
     return 2.0 * rows * MATMUL_K * MATMUL_N / seconds
 
 
@@ -100,14 +85,14 @@ def _fit_half_m(curve: dict[int, float]) -> tuple[float, float]:
 def _copy_bandwidth(reps: int, min_s: float) -> float:
     src = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    seconds = _best_time(lambda: dst.copy_(src), reps, min_s)
+    seconds = best_time(lambda: dst.copy_(src), reps, min_s)
     return 2.0 * COPY_BYTES / seconds  # read + write
 
 
 def _small_op_seconds(reps: int, min_s: float) -> float:
     a = torch.randn(*SMALL_OP_SHAPE).to(torch.bfloat16)
     b = torch.randn(*SMALL_OP_SHAPE).to(torch.bfloat16)
-    return _best_time(lambda: a + b, reps, min_s)
+    return best_time(lambda: a + b, reps, min_s)
 
 
 def _attention_flops(reps: int, min_s: float) -> float:
@@ -120,7 +105,7 @@ def _attention_flops(reps: int, min_s: float) -> float:
         p = torch.softmax(torch.bmm(q, k.transpose(1, 2)).float(), dim=-1).to(torch.bfloat16)
         return torch.bmm(p, v)
 
-    seconds = _best_time(attend, reps, min_s)
+    seconds = best_time(attend, reps, min_s)
     return 2.0 * seqs * heads * ctx * (d_qk + d_v) / seconds
 
 

@@ -58,13 +58,17 @@ def fit_two_points(weight_bytes: float, flops: tuple[float, float],
     return KernelFit(bandwidth=weight_bytes / read_s, flops_rate=rate)
 
 
-def _best_time(fn: Callable[[], object], reps: int) -> float:
+def best_time(fn: Callable[[], object], reps: int, min_s: float = 0.0) -> float:
+    """Fastest single call of ``fn`` in ``reps * min_s`` seconds of calls (at least ``reps``
+    calls): the least disturbed by other load on a shared machine, which only ever adds."""
     fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
+    budget = reps * min_s
+    best, calls, start = float("inf"), 0, time.perf_counter()
+    while calls < reps or time.perf_counter() - start < budget:
+        t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.perf_counter() - t0)
+        calls += 1
     return best
 
 
@@ -80,7 +84,7 @@ def measure_linear(reps: int) -> KernelFit:
     with torch.inference_mode():
         for rows in LINEAR_ROWS:
             x = torch.randn(rows, LINEAR_FEATURES, dtype=DTYPE)
-            seconds.append(_best_time(lambda: holder.proj(x), reps))
+            seconds.append(best_time(lambda: holder.proj(x), reps))
             flops.append(2.0 * rows * LINEAR_FEATURES * LINEAR_FEATURES)
     return fit_two_points(weight_bytes, tuple(flops), tuple(seconds))
 
@@ -113,7 +117,7 @@ def measure_expert_curve(reps: int) -> tuple[tuple[float, float], ...]:
     with torch.inference_mode():
         for per_expert in EXPERT_CURVE_ROWS_PER_EXPERT:
             x, ids = _expert_inputs(per_expert, gen)
-            seconds = _best_time(lambda: experts_forward(x, ids, w13, w2), reps)
+            seconds = best_time(lambda: experts_forward(x, ids, w13, w2), reps)
             curve.append((per_expert, seconds / weight_bytes))
     return tuple(curve)
 
