@@ -146,9 +146,11 @@ def server(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def keyed_server(model_dir, tmp_path_factory):
     """A second instance behind --api-key; the engine-death test kills its core. Its steps are
-    slowed (test-only hook) so that test's two requests are surely still running when the core
-    dies: unslowed, the tiny model finishes 400 tokens in well under a second."""
-    yield from _start(model_dir, tmp_path_factory, "keyed", ["--api-key", API_KEY],
+    slowed (test-only hook) so that the death and disconnect tests' requests are surely still
+    running when the core dies or the client leaves: unslowed, the tiny model finishes 400
+    tokens in well under a second."""
+    yield from _start(model_dir, tmp_path_factory, "keyed",
+                      ["--api-key", API_KEY, "--served-model-name", SERVED_NAME],
                       {TEST_STEP_SLEEP_ENV: str(KEYED_STEP_SLEEP_S)})
 
 
@@ -545,11 +547,13 @@ def _long_request(stream: bool) -> dict:
 
 
 def _raw_post(server, body: dict) -> socket.socket:
-    """Send a request on a bare socket; the caller closes it without reading a byte."""
+    """Send a request on a bare socket (with the keyed server's key); the caller closes it
+    without reading a byte."""
     payload = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  b"Content-Type: application/json\r\n"
+                 + f"Authorization: Bearer {API_KEY}\r\n".encode()
                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     return sock
 
@@ -569,9 +573,14 @@ def _assert_aborted(server, before, aborts=(1,)) -> None:
     assert generated < LONG_MAX_TOKENS
 
 
-def test_disconnect_mid_stream_aborts_the_request(server):
+# The disconnect tests run on the keyed server, whose steps are slowed: unslowed, the request
+# can finish all its tokens before the test sees it running or cuts it off.
+
+def test_disconnect_mid_stream_aborts_the_request(keyed_server):
+    server = keyed_server
     before = _metrics(server)
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         with http.stream("POST", server.url + COMPLETIONS, json=_long_request(True)) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
@@ -581,7 +590,8 @@ def test_disconnect_mid_stream_aborts_the_request(server):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_while_generating_aborts_the_request(server, stream):
+def test_disconnect_while_generating_aborts_the_request(keyed_server, stream):
+    server = keyed_server
     before = _metrics(server)
     sock = _raw_post(server, _long_request(stream))
     try:
@@ -591,7 +601,8 @@ def test_disconnect_while_generating_aborts_the_request(server, stream):
     _assert_aborted(server, before)
 
 
-def test_disconnect_right_after_sending_leaves_nothing_running(server):
+def test_disconnect_right_after_sending_leaves_nothing_running(keyed_server):
+    server = keyed_server
     before = _metrics(server)
     _raw_post(server, _long_request(True)).close()
     _assert_aborted(server, before, aborts=(0, 1))

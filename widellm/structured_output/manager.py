@@ -66,14 +66,17 @@ class StructuredOutputManager:
         return compiled
 
     def abort(self, request_ids: list[str]) -> list[str]:
-        """Drop the ones still compiling (their result is discarded); returns the others."""
+        """Drop the ones still compiling; returns the others. A compilation that has not
+        started is cancelled, so an aborted request costs the worker nothing."""
         rest = []
         for req_id in request_ids:
             entry = self._pending.pop(req_id, None)
             if entry is None:
                 rest.append(req_id)
             else:
-                entry[0].status = RequestStatus.FINISHED_ABORTED
+                request, future = entry
+                future.cancel()  # False once it runs: the result is then discarded
+                request.status = RequestStatus.FINISHED_ABORTED
         return rest
 
     def pop_finished(self) -> tuple[list[Request], list[Request]]:
