@@ -22,6 +22,11 @@ class LogprobsLists:
             self.logprob_token_ids[start:end], self.logprobs[start:end], self.ranks[start:end]
         )
 
+    def as_tuples(self, limit: int | None = None) -> list[tuple[list[int], list[float], int]]:
+        """(ids, logprobs, rank) per token, the first ``limit`` tokens (all when None)."""
+        n = len(self.ranks) if limit is None else limit
+        return [(self.logprob_token_ids[i], self.logprobs[i], self.ranks[i]) for i in range(n)]
+
 
 @dataclass(slots=True)
 class ModelRunnerOutput:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from widellm.config import CacheConfig, SchedulerConfig
 from widellm.core.kv_cache_manager import KVCacheManager
-from widellm.core.outputs import EngineCoreOutput, LogprobsLists, ModelRunnerOutput
+from widellm.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from widellm.core.request import Request, RequestStatus
 from widellm.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from widellm.core.scheduler_stats import SchedulerStats
@@ -107,6 +107,8 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: set[str] = set()
 
+        # (request, tokens) in scheduling order; the counters move once both loops are done.
+        scheduled: list[tuple[Request, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -125,9 +127,10 @@ class Scheduler:
             if new_blocks is None:
                 break
             cached.req_ids.append(req.request_id)
-            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
             cached.num_computed_tokens.append(req.num_computed_tokens)
             num_scheduled[req.request_id] = num_new
+            scheduled.append((req, num_new))
             budget -= num_new
             i += 1
 
@@ -176,6 +179,7 @@ class Scheduler:
                 grammar=req.grammar,
             ))
             num_scheduled[req.request_id] = num_new
+            scheduled.append((req, num_new))
             budget -= num_new
 
         out = SchedulerOutput(
@@ -188,11 +192,11 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         # Tokens scheduled now count as computed: the next schedule() builds on them.
-        for req_id, n in num_scheduled.items():
-            req = self.requests[req_id]
+        async_scheduling = self.config.async_scheduling
+        for req, n in scheduled:
             req.num_computed_tokens += n
-            reaches_end = req.num_computed_tokens == req.num_tokens + req.num_output_placeholders
-            if self.config.async_scheduling and reaches_end:
+            if async_scheduling and (req.num_computed_tokens
+                                     == len(req.all_token_ids) + req.num_output_placeholders):
                 req.num_output_placeholders += 1
         if self.kv_connector is not None:
             self.kv_connector.update_state_after_schedule(out, self.requests)
@@ -273,35 +277,41 @@ class Scheduler:
     def _num_tokens_wanted(self, req: Request) -> int:
         """Tokens to compute next; none when in-flight samples already reach a length limit."""
         pending = req.num_output_placeholders
-        if pending and (req.num_output_tokens + pending >= req.max_tokens
-                        or req.num_tokens + pending >= self.max_model_len):
+        num_tokens = len(req.all_token_ids)  # (the properties cost a call per request-step)
+        if pending and (len(req.output_token_ids) + pending >= req.max_tokens
+                        or num_tokens + pending >= self.max_model_len):
             return 0
-        return req.num_tokens + pending - req.num_computed_tokens
+        return num_tokens + pending - req.num_computed_tokens
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        requests, running_status = self.requests, RequestStatus.RUNNING  # (hoisted: hot loop)
+        index, all_sampled = runner_output.req_id_to_index, runner_output.sampled_token_ids
+        grammar_terminated, logprobs = runner_output.grammar_terminated, runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         for req_id in scheduler_output.num_scheduled_tokens:
-            req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = requests.get(req_id)
+            if req is None or req.status != running_status:
                 continue  # aborted or preempted while the step ran
-            idx = runner_output.req_id_to_index[req_id]
+            idx = index[req_id]
             new_ids: list[int] = []
-            sampled = runner_output.sampled_token_ids[idx]
+            sampled = all_sampled[idx]
             if req.max_tokens == 0 and sampled:  # prompt only: the prompt's end samples nothing
                 req.status, sampled = RequestStatus.FINISHED_LENGTH_CAPPED, []
             for token_id in sampled:
-                req.num_output_placeholders = max(req.num_output_placeholders - 1, 0)
+                if req.num_output_placeholders:
+                    req.num_output_placeholders -= 1
                 req.append_output_token(token_id)
                 new_ids.append(token_id)
-                if self._check_stop(req, req_id in runner_output.grammar_terminated):
+                if self._check_stop(req, req_id in grammar_terminated):
                     break
-            prompt_lp = runner_output.prompt_logprobs.get(req_id)
+            prompt_lp = prompt_logprobs.get(req_id) if prompt_logprobs else None
             if not new_ids and prompt_lp is None and not req.is_finished:
                 continue
-            lp = runner_output.logprobs[idx] if runner_output.logprobs else None
-            first = req.num_output_tokens == len(new_ids)  # none of its tokens went out yet
+            lp = logprobs[idx] if logprobs else None
+            first = len(req.output_token_ids) == len(new_ids)  # none of its tokens went out yet
             kv_params = None
             if req.is_finished:
                 self.running.remove(req)
@@ -309,8 +319,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_ids,
-                new_logprobs=_as_tuples(lp, len(new_ids)) if lp is not None else None,
-                new_prompt_logprobs=_as_tuples(prompt_lp) if prompt_lp is not None else None,
+                new_logprobs=lp.as_tuples(len(new_ids)) if lp is not None else None,
+                new_prompt_logprobs=prompt_lp.as_tuples() if prompt_lp is not None else None,
                 finish_reason=req.status.finish_reason,
                 stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
@@ -339,10 +349,11 @@ class Scheduler:
         ignore_eos, since the grammar admits nothing after that."""
         params = req.sampling_params
         last = req.output_token_ids[-1]
+        num_output = len(req.output_token_ids)
         if grammar_terminated:
             req.status = RequestStatus.FINISHED_STOPPED
             return True
-        if req.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and last in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -350,7 +361,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = last
                 return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
@@ -384,9 +395,3 @@ class Scheduler:
         del self.requests[req.request_id]
         return params
 
-
-def _as_tuples(
-    lp: LogprobsLists, limit: int | None = None
-) -> list[tuple[list[int], list[float], int]]:
-    n = len(lp.ranks) if limit is None else limit
-    return [(lp.logprob_token_ids[i], lp.logprobs[i], lp.ranks[i]) for i in range(n)]

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from widellm.gc_heap import sparse_young_collections
 from widellm.model.loader import load_hf_config, resolve_model_path
 from widellm.sim.clock import VirtualClock
 from widellm.sim.config import PoolConfig, SimulationConfig
@@ -25,6 +26,10 @@ from widellm.sim.kv_fabric import SimKVFabric
 from widellm.sim.pool import SimPool
 from widellm.sim.runner import SimKVSpec
 from widellm.sim.types import CostModel, DeploymentShape, SimResult
+
+# Container allocations between young-generation collections while simulating (Python's
+# default: 700); see ``gc_heap.sparse_young_collections``.
+SIM_GC_GEN0_THRESHOLD = 1_000_000
 
 # (hf_config, the pool's shape) -> the pool's cost model.
 CostModelFactory = Callable[[Any, DeploymentShape], CostModel]
@@ -101,7 +106,8 @@ def simulate(config: SimulationConfig, cost_model_factory: CostModelFactory,
                    if concurrency_per_rank is not None else None)
     run = DeploymentRun(config, pools, clock, workload, concurrency, fabric)
     try:
-        run.run()
+        with sparse_young_collections(SIM_GC_GEN0_THRESHOLD):
+            run.run()
     finally:
         for pool in pools.values():
             for core in pool.cores:
