@@ -173,8 +173,10 @@ class TransferCost(LinearCost):
 def test_disaggregated_prefill_then_decode(model_dir, monkeypatch):
     """Prefill pool (1 rank): both prompts in one step (20 rows), each finishes with
     max_tokens=1 and its blocks held. Decode pool (2 ranks): the hand-offs park in
-    WAITING_FOR_REMOTE_KVS (one empty step: dummies), the loads end TRANSFER_S later, then the
-    last prompt token and the decodes run; the prefill's held blocks are freed."""
+    WAITING_FOR_REMOTE_KVS (one empty step: dummies); the prefill rank's one link moves r0's
+    KV in TRANSFER_S, then r1's in TRANSFER_S more; each request's last prompt token and
+    decodes run once its KV is in (r0's three steps end before r1's load does); the
+    prefill's held blocks are freed."""
     import widellm.sim.cluster as cluster
 
     pools = []
@@ -190,16 +192,18 @@ def test_disaggregated_prefill_then_decode(model_dir, monkeypatch):
     res = _run(config, cost, _workload([3, 2]))
     prefill_end = FIXED_S + PER_ROW_S * 2 * PROMPT_LEN
     park_end = prefill_end + FIXED_S + PER_ROW_S
-    loaded = prefill_end + TRANSFER_S
+    r0_loaded, r1_loaded = prefill_end + TRANSFER_S, prefill_end + 2 * TRANSFER_S
     step = FIXED_S + PER_ROW_S
-    assert [s.pool for s in res.steps] == ["prefill"] + ["decode"] * 4
+    assert [s.pool for s in res.steps] == ["prefill"] + ["decode"] * 6
     assert [s.start_s for s in res.steps] == pytest.approx(
-        [0.0, prefill_end, loaded, loaded + step, loaded + 2 * step])
-    assert park_end < loaded
+        [0.0, prefill_end, r0_loaded, r0_loaded + step, r0_loaded + 2 * step,
+         r1_loaded, r1_loaded + step])
+    assert park_end < r0_loaded and r0_loaded + 3 * step < r1_loaded
     by_id = {r.request_id: r for r in res.requests}
-    assert by_id["r0"].first_token_s == pytest.approx(loaded + step)
-    assert by_id["r1"].finish_s == pytest.approx(loaded + 2 * step)
-    assert by_id["r0"].finish_s == pytest.approx(loaded + 3 * step)
+    assert by_id["r0"].first_token_s == pytest.approx(r0_loaded + step)
+    assert by_id["r0"].finish_s == pytest.approx(r0_loaded + 3 * step)
+    assert by_id["r1"].first_token_s == pytest.approx(r1_loaded + step)
+    assert by_id["r1"].finish_s == pytest.approx(r1_loaded + 2 * step)
     assert [by_id[r].num_output_tokens for r in ("r0", "r1")] == [3, 2]
     assert {r.pool_rank for r in res.requests} == {0, 1}  # decode ranks
     prefill = pools[0]

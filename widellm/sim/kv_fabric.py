@@ -6,7 +6,13 @@ request in ``WAITING_FOR_REMOTE_KVS`` and has the prefill rank hold the finished
 blocks. Only the transport is simulated: a load issued at virtual time ``t`` ends at
 ``t + transfer_s(tokens)``; then the decode rank's scheduler sees it in ``finished_recving``
 (the request rejoins its waiting queue with those tokens computed) and the prefill rank's in
-``finished_sending`` (its held blocks are freed). Transfers do not contend for links here.
+``finished_sending`` (its held blocks are freed).
+
+Links: each rank has one network link (its NIC), which a transfer holds at both ends for
+its whole duration, first come first served. A load waits until the producer's and the
+consumer's links are both free, so one prefill rank handing prompts to several decode ranks,
+or several prefill ranks sending to one decode rank, move them one after another at the
+link's rate instead of all at once.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class SimKVFabric:
         # (end_s, sequence, consumer engine id, request id, producer engine id, remote id)
         self._in_flight: list[tuple[float, int, str, str, str | None, str | None]] = []
         self._seq = 0
+        # Engine id -> when its link is next free (virtual seconds).
+        self._link_free_s: dict[str, float] = {}
 
     def worker(self, config: KVTransferConfig, block_size: int, engine_id: str) -> "SimKVWorker":
         w = SimKVWorker(config, block_size, engine_id, self)
@@ -46,12 +54,18 @@ class SimKVFabric:
         return w
 
     def start_load(self, consumer: str, req_id: str, params: dict[str, Any],
-                   num_tokens: int) -> None:
-        end = self.clock.now + self.transfer_s(num_tokens)
+                   num_tokens: int) -> float:
+        """Queue a load on both ends' links; returns when it ends."""
+        producer = params.get("remote_engine_id")
+        ends = [consumer] + ([producer] if producer is not None else [])
+        start = max([self.clock.now] + [self._link_free_s.get(e, 0.0) for e in ends])
+        end = start + self.transfer_s(num_tokens)
+        for e in ends:
+            self._link_free_s[e] = end
         self._seq += 1
-        heapq.heappush(self._in_flight, (end, self._seq, consumer, req_id,
-                                         params.get("remote_engine_id"),
+        heapq.heappush(self._in_flight, (end, self._seq, consumer, req_id, producer,
                                          params.get("remote_request_id")))
+        return end
 
     def release(self, params: dict[str, Any]) -> None:
         """A consumer will not pull these blocks (its prefix cache had the prompt)."""
