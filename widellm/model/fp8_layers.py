@@ -4,8 +4,9 @@ A layer keeps them when every checkpoint weight that fills it is FP8 and, for a 
 from several checkpoint weights (``gate_up_proj`` from ``gate_proj`` and ``up_proj``), every
 shard starts on a block boundary, so that the shards' scale grids stack into the layer's grid
 (DeepSeek-V3's intermediate sizes, 18,432 and 2,048, are multiples of 128; a tiny test model's
-64 is not, and its stacked layer is dequantized instead). Routed experts are no ``Linear``
-(FusedMoE holds them stacked) and are dequantized at load.
+64 is not, and its stacked layer is dequantized instead). Routed experts are no ``Linear``:
+:func:`fp8_expert_layer_names` picks the ``FusedMoE`` layers that keep theirs by the same rule
+(up's rows on a block boundary), and none under EPLB (``layers/moe/experts_fp8.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from torch import nn
 
 from widellm.layers.linear import Linear
 from widellm.layers.linear_method import PlainLinearMethod
+from widellm.layers.moe.experts_fp8 import fp8_experts_supported
+from widellm.layers.moe.layer import FusedMoE
 from widellm.model.fp8 import SCALE_INV_SUFFIX
-from widellm.model.weight_utils import SECOND_HALF, StackedShard
+from widellm.model.weight_utils import SECOND_HALF, StackedShard, expert_module_of
 
 WEIGHT_SUFFIX = ".weight"
 
@@ -65,4 +68,22 @@ def fp8_layer_names(model: nn.Module, checkpoint_names: Iterable[str],
             offset = layer.out_features // 2 if shard.offset == SECOND_HALF else shard.offset
             ok = ok and offset % block_size[0] == 0
         verdict[layer_name] = verdict.get(layer_name, True) and ok
+    return {name for name, ok in verdict.items() if ok}
+
+
+def fp8_expert_layer_names(model: nn.Module, checkpoint_names: Iterable[str],
+                           block_size: tuple[int, int]) -> set[str]:
+    """The names of ``model``'s ``FusedMoE`` layers that can hold the checkpoint's FP8 expert
+    weights as they are: every expert weight of the layer has its scale, and the layer's
+    shape and placement allow it (:func:`fp8_experts_supported`)."""
+    names = set(checkpoint_names)
+    modules = dict(model.named_modules())
+    verdict: dict[str, bool] = {}
+    for name in names:
+        module_name = expert_module_of(name) if name.endswith(WEIGHT_SUFFIX) else None
+        layer = modules.get(module_name) if module_name is not None else None
+        if not isinstance(layer, FusedMoE):
+            continue
+        ok = name + SCALE_INV_SUFFIX in names and fp8_experts_supported(layer, block_size)
+        verdict[module_name] = verdict.get(module_name, True) and ok
     return {name for name, ok in verdict.items() if ok}

@@ -17,11 +17,14 @@ from transformers import AutoConfig
 
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.linear import linear_method_counts, pack_linear_weights, use_fp8_weights
-from widellm.model.fp8_layers import fp8_layer_names, layer_of
+from widellm.layers.moe.experts_fp8 import use_fp8_experts
+from widellm.model.fp8_layers import fp8_expert_layer_names, fp8_layer_names, layer_of
 from widellm.model.fp8_weights import Fp8BlockQuantConfig, fp8_block_weights, with_scales
 from widellm.model.fused_decode import enable_fused_decode
 from widellm.model.registry import get_model_class
-from widellm.model.weight_utils import process_weights_after_loading, remote_expert_filter
+from widellm.model.weight_utils import (
+    expert_module_of, process_weights_after_loading, remote_expert_filter,
+)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -115,8 +118,8 @@ def build_model(
     have nothing to split and ignore it.
 
     Each ``Linear`` gets its linear method here (layers/linear.py): DeepSeek FP8 checkpoints
-    (``quantization_config``) keep their FP8 weights in the layers that can (``keep_fp8``,
-    default: on CUDA; see fp8_layers.py) and are dequantized to ``dtype`` elsewhere
+    (``quantization_config``) keep their FP8 weights in the linears and routed experts that can
+    (``keep_fp8``, default: on CUDA; see fp8_layers.py) and are dequantized to ``dtype`` elsewhere
     (fp8_weights.py); bf16/fp32 plain weights on CPU end up prepacked for oneDNN
     (``$WIDELLM_CPU_PACKED_LINEAR=0`` keeps them plain). ``fp8_kernel`` pins the FP8 layers'
     kernel (tests)."""
@@ -132,9 +135,13 @@ def build_model(
         torch.set_default_dtype(previous)
     fp8 = Fp8BlockQuantConfig.from_hf_config(hf_config)
     kept: set[str] = set()
+    kept_experts: set[str] = set()
     if fp8 is not None and (device.type == "cuda" if keep_fp8 is None else keep_fp8):
-        kept = fp8_layer_names(model, checkpoint_names(path), fp8.weight_block_size)
+        names = checkpoint_names(path)
+        kept = fp8_layer_names(model, names, fp8.weight_block_size)
         use_fp8_weights(model, kept, fp8.weight_block_size, fp8_kernel)
+        kept_experts = fp8_expert_layer_names(model, names, fp8.weight_block_size)
+        use_fp8_experts(model, kept_experts, fp8.weight_block_size, fp8_kernel)
     with torch.no_grad():
         if fp8 is None:
             model.load_weights(iterate_weights(path, skip=remote_expert_filter(model)))
@@ -144,7 +151,8 @@ def build_model(
             stacked = getattr(model, "stacked_shards", ())
             weights = iterate_weights(path, skip=with_scales(remote_expert_filter(model)))
             model.load_weights(fp8_block_weights(
-                weights, fp8, dtype, keep_fp8=lambda name: layer_of(name, stacked)[0] in kept))
+                weights, fp8, dtype, keep_fp8=lambda name: (
+                    layer_of(name, stacked)[0] in kept or expert_module_of(name) in kept_experts)))
     process_weights_after_loading(model)
     # Last: the hooks above may still read Linear weights; packing frees them.
     pack_linear_weights(model)

@@ -16,7 +16,9 @@ from torch import nn
 
 from widellm.model.fp8 import SCALE_INV_SUFFIX
 
-_EXPERT_RE = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# ``...experts.{e}.{proj}.weight``, or its ``weight_scale_inv`` (FP8 experts kept as FP8).
+_EXPERT_RE = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight"
+                        r"(?P<scale>_scale_inv)?$")
 _EXPERT_SHARDS = {
     "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2",  # DeepSeek, Qwen-MoE
     "w1": "w1", "w3": "w3", "w2": "w2",  # Mixtral
@@ -63,7 +65,7 @@ def load_weights(
         m = _EXPERT_RE.match(name)
         if m and m.group("proj") in _EXPERT_SHARDS and m.group("module") in modules:
             shard = _EXPERT_SHARDS[m.group("proj")]
-            pname = "w2_weight" if shard == "w2" else "w13_weight"
+            pname = ("w2_weight" if shard == "w2" else "w13_weight") + (m.group("scale") or "")
             modules[m.group("module")].weight_loader(pname, tensor, int(m.group("expert")), shard)
             loaded.add(f"{m.group('module')}.{pname}")
             continue
@@ -91,6 +93,13 @@ def load_weights(
             param.data.copy_(tensor)
             loaded.add(name)
     return loaded
+
+
+def expert_module_of(name: str) -> str | None:
+    """The FusedMoE module a routed-expert checkpoint tensor loads into
+    (``"m.layers.3.mlp.experts.7.up_proj.weight"`` -> ``"m.layers.3.mlp.experts"``), else None."""
+    m = _EXPERT_RE.match(name)
+    return m.group("module") if m is not None and m.group("proj") in _EXPERT_SHARDS else None
 
 
 def remote_expert_filter(model: nn.Module) -> Callable[[str], bool]:

@@ -25,14 +25,16 @@ from widellm.layers.moe.dispatch import (
     SKIP_EXPERT_ID, DispatchedTokens, DispatchHandle, MoEDispatcher,
 )
 from widellm.layers.moe.experts import experts_forward
+from widellm.layers.moe.experts_fp8 import SCALE_SUFFIX
 from widellm.layers.moe.registry import make_dispatcher
 from widellm.layers.moe.router import GroupScore, ScoringFunc, select_experts
 from widellm.step_timer import StepTimer, maybe_phase
 
 if TYPE_CHECKING:
     from widellm.eplb.stats import ExpertLoadRecorder
+    from widellm.layers.moe.experts_fp8 import Fp8BlockExperts
 
-ParamName = Literal["w13_weight", "w2_weight"]
+ParamName = Literal["w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"]
 ShardId = Literal["w1", "w3", "w2"]
 
 # Checkpoint projection names of each shard: DeepSeek/Qwen style, then Mixtral style.
@@ -178,6 +180,11 @@ class FusedMoE(nn.Module):
             torch.empty(self.num_local_experts, hidden_size, intermediate_size, **factory),
             requires_grad=False,
         )
+        # The activations' dtype, which FP8 weights no longer tell.
+        self.params_dtype = self.w13_weight.dtype
+        # How the expert weights are held and computed: None for the plain weights above
+        # (experts_forward); an Fp8BlockExperts (experts_fp8.py) for FP8 kept as loaded.
+        self.experts_method: Fp8BlockExperts | None = None
 
     def extra_repr(self) -> str:
         return (
@@ -241,22 +248,30 @@ class FusedMoE(nn.Module):
         """Copy one checkpoint expert tensor into its slice.
 
         Args:
-            param_name: ``"w13_weight"`` or ``"w2_weight"``.
-            loaded: ``[I, H]`` for w1 (gate_proj) and w3 (up_proj), ``[H, I]`` for w2 (down_proj).
+            param_name: ``"w13_weight"`` or ``"w2_weight"``, or their ``*_scale_inv`` when the
+                experts keep FP8 weights (``experts_fp8.py``).
+            loaded: ``[I, H]`` for w1 (gate_proj) and w3 (up_proj), ``[H, I]`` for w2
+                (down_proj); a scale: its weight's block grid (``[I / 128, cdiv(H, 128)]``...).
             global_expert_id: the expert's index in the checkpoint.
             shard_id: ``"w1"``, ``"w3"`` or ``"w2"``.
 
         Returns:
             True if copied, False if the expert lives on another rank.
         """
-        if _SHARD_TO_PARAM.get(shard_id) != param_name:
+        scale = param_name.endswith(SCALE_SUFFIX)
+        if _SHARD_TO_PARAM.get(shard_id) != param_name.removesuffix(SCALE_SUFFIX):
             raise ValueError(f"shard {shard_id!r} does not belong to {param_name!r}")
+        if scale and self.experts_method is None:
+            raise ValueError(f"{param_name}: these experts hold no FP8 scales")
         if not 0 <= global_expert_id < self.num_experts:
             raise ValueError(f"expert {global_expert_id} out of range [0, {self.num_experts})")
         local_slots = self._logical_to_local[global_expert_id]
         inter = self.intermediate_size
         for local_id in local_slots:  # every replica of the expert held here
-            if shard_id == "w2":
+            if scale:
+                rows = self.experts_method.scale_rows(self, shard_id)
+                dst = getattr(self, param_name).data[local_id, rows]
+            elif shard_id == "w2":
                 dst = self.w2_weight.data[local_id]
             elif shard_id == "w1":
                 dst = self.w13_weight.data[local_id, :inter]
@@ -320,9 +335,9 @@ class FusedMoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights [T, k] fp32, topk_ids [T, k] int64)``: the experts of each token, as
         physical ids under EPLB, -1 for padding rows."""
-        if hidden_states.dtype != self.w13_weight.dtype:
+        if hidden_states.dtype != self.params_dtype:
             raise TypeError(
-                f"hidden_states dtype {hidden_states.dtype} != expert weights {self.w13_weight.dtype}"
+                f"hidden_states dtype {hidden_states.dtype} != expert weights {self.params_dtype}"
             )
         routing = self.routing
         topk_weights, topk_ids = select_experts(
@@ -362,6 +377,8 @@ class FusedMoE(nn.Module):
 
     def run_experts(self, tokens: DispatchedTokens) -> torch.Tensor:
         """``[N, H]`` unweighted outputs of the local experts for the dispatched rows."""
+        if self.experts_method is not None:
+            return self.experts_method.apply(self, tokens.hidden_states, tokens.expert_ids)
         return experts_forward(tokens.hidden_states, tokens.expert_ids, self.w13_weight,
                                self.w2_weight)
 

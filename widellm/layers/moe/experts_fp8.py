@@ -1,0 +1,182 @@
+"""Routed experts with DeepSeek-V3's FP8 block-quantized weights kept as they are.
+
+The checkpoint stores each expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` as float8_e4m3fn
+with one fp32 ``weight_scale_inv`` per 128 x 128 block (``model/fp8.py``). A :class:`FusedMoE`
+given :class:`Fp8BlockExperts` before loading holds them stacked like its plain weights:
+
+* ``w13_weight`` ``[E_local, 2I, H]`` float8, ``w13_weight_scale_inv`` ``[E_local, 2I / bo,
+  cdiv(H, bi)]``: gate's block rows first, then up's. Stacking needs ``I % bo == 0`` (up's
+  first row starts a block); DeepSeek-V3's ``moe_intermediate_size`` 2,048 is, and the loader
+  dequantizes the experts of a model where it is not (``fp8_experts_supported``).
+* ``w2_weight`` ``[E_local, H, I]`` float8, ``w2_weight_scale_inv`` ``[E_local, cdiv(H, bo),
+  cdiv(I, bi)]``.
+
+``apply`` computes by one of two kernels, as the FP8 linears do (``layers/linear_fp8.py``):
+
+* ``w8a8`` (CUDA): rows sorted by expert (contiguous layout), activations quantized per token
+  and 128-column group, the Triton FP8 grouped GEMM for w13, the fused SiLU-and-mul + quant,
+  the grouped GEMM for w2, rows put back in order. :func:`w8a8_experts_forward` with
+  ``reference=True`` runs the same sequence on the ops' torch twins.
+* ``dequant`` (CPU, the reference): the weights are dequantized to the rows' dtype per call and
+  run by :func:`~widellm.layers.moe.experts.experts_forward`; fp32 results equal those of a
+  checkpoint dequantized at load, bit for bit.
+
+EPLB moves ``w13_weight`` and ``w2_weight`` between ranks and not yet their scales, so a layer
+with EPLB placement keeps its experts dequantized (``fp8_experts_supported``). The w8a8 path
+is the contiguous layout only, with host syncs (the id range check, the GEMM's tile list): the
+masked layout a CUDA-graph decode step needs is the kernels' (``grouped_gemm_fp8_masked``) but
+not wired here yet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from widellm.layers.linear_fp8 import FP8_DTYPE, KERNELS, SCALE_DTYPE, W8A8_BLOCK
+from widellm.layers.moe.experts import experts_forward
+
+SCALE_SUFFIX = "_scale_inv"
+W13_SCALE = "w13_weight" + SCALE_SUFFIX
+W2_SCALE = "w2_weight" + SCALE_SUFFIX
+
+
+def dequantize_expert_blocks(w: torch.Tensor, scale_inv: torch.Tensor,
+                             block_size: tuple[int, int]) -> torch.Tensor:
+    """w ``[E, out, in]`` fp8, scale_inv ``[E, cdiv(out, bo), cdiv(in, bi)]`` -> ``[E, out, in]``
+    fp32 = each value times its block's scale (the loader's dequantization, per expert)."""
+    rows, cols = block_size
+    scale = scale_inv.repeat_interleave(rows, dim=1).repeat_interleave(cols, dim=2)
+    return w.to(SCALE_DTYPE) * scale[:, : w.shape[1], : w.shape[2]]
+
+
+def _sort_by_expert(expert_ids: torch.Tensor, num_experts: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order [N], offsets [E + 1])``: rows stably sorted by expert with skipped (-1) rows
+    last, and where each expert's rows start; the skipped rows own no expert."""
+    if bool((expert_ids >= num_experts).any()):
+        raise ValueError(f"expert id out of range for {num_experts} local experts")
+    keys = torch.where(expert_ids >= 0, expert_ids, num_experts)
+    order = torch.argsort(keys, stable=True)
+    counts = torch.bincount(keys, minlength=num_experts + 1)[:num_experts]
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_ids.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return order, offsets
+
+
+def w8a8_experts_forward(
+    hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+    w2: torch.Tensor, w2_scale: torch.Tensor, reference: bool = False,
+) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` per row's expert, W8A8 with DeepGEMM's scales.
+
+    Args:
+        hidden: ``[N, H]`` rows (bf16 on CUDA; any float dtype).
+        expert_ids: ``[N]`` int64 local expert ids, -1 to skip the row.
+        w13, w13_scale: ``[E, 2I, H]`` float8 and ``[E, 2I / 128, cdiv(H, 128)]`` fp32.
+        w2, w2_scale: ``[E, H, I]`` float8 and ``[E, cdiv(H, 128), cdiv(I, 128)]`` fp32.
+        reference: run the ops' torch twins instead of the Triton kernels.
+
+    Returns:
+        ``[N, H]`` in hidden's dtype; zero rows where ``expert_ids`` is -1.
+    """
+    if reference:
+        from widellm.ops.triton_grouped_gemm_fp8 import (
+            grouped_gemm_fp8_contiguous_reference as gemm)
+        from widellm.ops.triton_silu_mul_quant import (
+            per_token_group_quant_reference as quant,
+            silu_and_mul_quant_reference as silu_mul_quant)
+    else:
+        from widellm.ops.triton_grouped_gemm_fp8 import grouped_gemm_fp8_contiguous as gemm
+        from widellm.ops.triton_silu_mul_quant import per_token_group_quant as quant
+        from widellm.ops.triton_silu_mul_quant import silu_and_mul_quant as silu_mul_quant
+    order, offsets = _sort_by_expert(expert_ids, w13.shape[0])
+    q, q_scale = quant(hidden.index_select(0, order))
+    gate_up = gemm(q, q_scale, offsets, w13, w13_scale)  # [N, 2I]; zero past offsets[-1]
+    q, q_scale = silu_mul_quant(gate_up)
+    down = gemm(q, q_scale, offsets, w2, w2_scale)  # [N, H]
+    out = torch.zeros_like(hidden)
+    out.index_copy_(0, order, down.to(hidden.dtype))
+    return out
+
+
+def fp8_experts_supported(layer: nn.Module, block_size: tuple[int, int]) -> bool:
+    """Whether ``layer`` (a FusedMoE) can hold its experts as FP8: up's rows start on a block
+    boundary, and no EPLB placement (whose moves do not carry the scales yet)."""
+    return (layer.intermediate_size % block_size[0] == 0
+            and getattr(layer, "placement", None) is None)
+
+
+def use_fp8_experts(model: nn.Module, names: Iterable[str], block_size: tuple[int, int],
+                    kernel: str = "auto") -> int:
+    """Give the FusedMoE layers ``names`` of ``model`` FP8 expert weights, before the
+    checkpoint is loaded; returns how many layers changed."""
+    modules = dict(model.named_modules())
+    names = list(names)
+    for name in names:
+        method = Fp8BlockExperts(block_size, kernel)
+        method.create_weights(modules[name])
+        modules[name].experts_method = method
+    return len(names)
+
+
+class Fp8BlockExperts:
+    """FP8 routed-expert weights with per-block scales; see the module docstring.
+
+    Args:
+        block_size: (rows, columns) per scale, from the checkpoint's quantization_config.
+        kernel: "auto" (w8a8 on CUDA with 128 x 128 blocks, else dequant) or one pinned.
+    """
+
+    name = "fp8_block"
+
+    def __init__(self, block_size: tuple[int, int], kernel: str = "auto") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"FP8 experts kernel {kernel!r}: expected one of {KERNELS}")
+        if kernel == "w8a8" and tuple(block_size) != W8A8_BLOCK:
+            raise ValueError(f"the w8a8 kernel needs {W8A8_BLOCK} blocks, not {block_size}")
+        self.block_size = tuple(block_size)
+        self.kernel = kernel
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Replace ``layer``'s expert weights with float8 ones plus their block scales."""
+        if not fp8_experts_supported(layer, self.block_size):
+            raise ValueError(f"these experts cannot stay FP8 (intermediate size "
+                             f"{layer.intermediate_size}, blocks {self.block_size}, EPLB "
+                             f"{getattr(layer, 'placement', None) is not None})")
+        bo, bi = self.block_size
+        for name in ("w13_weight", "w2_weight"):
+            old = getattr(layer, name)
+            experts, rows, cols = old.shape
+            setattr(layer, name, nn.Parameter(
+                torch.empty(experts, rows, cols, dtype=FP8_DTYPE, device=old.device),
+                requires_grad=False))
+            layer.register_parameter(name + SCALE_SUFFIX, nn.Parameter(
+                torch.empty(experts, math.ceil(rows / bo), math.ceil(cols / bi),
+                            dtype=SCALE_DTYPE, device=old.device), requires_grad=False))
+
+    def scale_rows(self, layer: nn.Module, shard_id: str) -> slice:
+        """The block rows of an expert's scale grid that checkpoint shard ``shard_id`` fills."""
+        if shard_id == "w2":
+            return slice(None)
+        inter_blocks = layer.intermediate_size // self.block_size[0]
+        return slice(0, inter_blocks) if shard_id == "w1" else slice(inter_blocks, None)
+
+    def _kernel(self, x: torch.Tensor) -> str:
+        if self.kernel != "auto":
+            return self.kernel
+        return "w8a8" if x.is_cuda and self.block_size == W8A8_BLOCK else "dequant"
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor,
+              expert_ids: torch.Tensor) -> torch.Tensor:
+        """``[N, H]`` unweighted outputs of the local experts for the dispatched rows."""
+        w13_scale, w2_scale = getattr(layer, W13_SCALE), getattr(layer, W2_SCALE)
+        if self._kernel(hidden) == "dequant":
+            w13 = dequantize_expert_blocks(layer.w13_weight, w13_scale, self.block_size)
+            w2 = dequantize_expert_blocks(layer.w2_weight, w2_scale, self.block_size)
+            return experts_forward(hidden, expert_ids, w13.to(hidden.dtype), w2.to(hidden.dtype))
+        return w8a8_experts_forward(hidden, expert_ids, layer.w13_weight, w13_scale,
+                                    layer.w2_weight, w2_scale)
