@@ -5,6 +5,7 @@ checkpoint dequantized to fp32 (an ordinary checkpoint without quantization_conf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.moe.layer import FusedMoE
 from widellm.model import loader
 from widellm.model.presets import PRESETS, resolve_preset, write_checkpoint
+from widellm.worker import model_runner
 
 FP8_PRESET = "deepseek-v3-tiny-fp8"
 TWIN_PRESET = "deepseek-v3-tiny"
@@ -176,6 +178,30 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(4321)
     # Skip the lowest ids: the presets' special tokens live there.
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def tokens_and_logprobs(outs) -> tuple[list[list[int]], list[list[float]]]:
+    """Each output's token ids and the logprob of each (requests made with ``logprobs=1``)."""
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                for o in outs]
+    return tokens, logprobs
+
+
+def dequantized_then_kept_runs(folder, prompts, params, monkeypatch, inspect):
+    """Generate (fp32) with the FP8 checkpoint dequantized at load (CPU's default), then with
+    its FP8 weights kept (forced; the dequant kernel); each run gives (inspect(model), token
+    ids, logprobs)."""
+    def run():
+        llm = LLM(folder, dtype="float32", num_kv_blocks=128)
+        model = llm.llm_engine.engine_core.model_runner.model
+        return (inspect(model), *tokens_and_logprobs(llm.generate(prompts, params,
+                                                                  use_tqdm=False)))
+
+    dequantized = run()
+    monkeypatch.setattr(model_runner, "build_model", functools.partial(
+        loader.build_model, keep_fp8=True, fp8_kernel="dequant"))
+    return dequantized, run()
 
 
 @pytest.mark.parametrize("which", ["preset", "wide"])

@@ -8,7 +8,6 @@ on a 128-row block boundary (the preset's own 32 does not, and its experts are d
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from types import SimpleNamespace
@@ -16,14 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.model.test_fp8_checkpoint import make_prompts
-from widellm import LLM, SamplingParams
+from tests.model.test_fp8_checkpoint import dequantized_then_kept_runs, make_prompts
+from widellm import SamplingParams
 from widellm.layers.moe.experts_fp8 import Fp8BlockExperts, fp8_experts_supported
 from widellm.layers.moe.layer import FusedMoE
 from widellm.model import loader
 from widellm.model.fp8_layers import fp8_expert_layer_names
 from widellm.model.presets import get_preset, write_checkpoint
-from widellm.worker import model_runner
 
 BLOCK = (128, 128)
 EXPERT_WIDTH = 128
@@ -67,23 +65,14 @@ def test_kept_fp8_experts_generate_exactly_like_dequantized(fp8_folder, monkeypa
         prompts = make_prompts(json.load(f)["vocab_size"])
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
 
-    def run():
-        llm = LLM(fp8_folder, dtype="float32", num_kv_blocks=128)
-        model = llm.llm_engine.engine_core.model_runner.model
-        kept = {n: (m.w13_weight.dtype, m.w2_weight.dtype, m.w13_weight_scale_inv.shape[1:])
+    def kept_experts(model):
+        return {n: (m.w13_weight.dtype, m.w2_weight.dtype, m.w13_weight_scale_inv.shape[1:])
                 for n, m in model.named_modules()
                 if isinstance(m, FusedMoE) and isinstance(m.experts_method, Fp8BlockExperts)}
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        tokens = [o.outputs[0].token_ids for o in outs]
-        logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                    for o in outs]
-        return kept, tokens, logprobs
 
-    plain_kept, plain_tokens, plain_lp = run()
+    (plain_kept, plain_tokens, plain_lp), (kept, kept_tokens, kept_lp) = (
+        dequantized_then_kept_runs(fp8_folder, prompts, params, monkeypatch, kept_experts))
     assert plain_kept == {}  # on CPU FP8 checkpoints are dequantized at load
-    monkeypatch.setattr(model_runner, "build_model", functools.partial(
-        loader.build_model, keep_fp8=True, fp8_kernel="dequant"))
-    kept, kept_tokens, kept_lp = run()
     # w13 [E, 2I, H] keeps 2I / 128 = 2 block rows (gate's, then up's) by cdiv(64, 128) = 1.
     fp8 = torch.float8_e4m3fn
     assert kept == {name: (fp8, fp8, (2, 1)) for name in _moe_layers(fp8_folder)}

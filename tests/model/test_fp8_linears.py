@@ -5,15 +5,14 @@ twin."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 
 import pytest
 import torch
 
-from tests.model.test_fp8_checkpoint import make_prompts
-from widellm import LLM, SamplingParams
+from tests.model.test_fp8_checkpoint import dequantized_then_kept_runs, make_prompts
+from widellm import SamplingParams
 from widellm.layers.linear import PACKED_LINEAR_ENV, Linear, use_fp8_weights
 from widellm.layers.linear_fp8 import (
     Fp8BlockLinearMethod, dequantize_blocks, w8a8_linear, w8a8_linear_reference,
@@ -22,7 +21,6 @@ from widellm.model import loader
 from widellm.model.fp8 import dequantize_weight_block_fp8, quantize_weight_block_fp8
 from widellm.model.fp8_layers import fp8_layer_names
 from widellm.model.presets import resolve_preset
-from widellm.worker import model_runner
 
 FP8_PRESET = "preset:deepseek-v3-tiny-fp8"
 BLOCK = (128, 128)
@@ -78,22 +76,13 @@ def test_kept_fp8_weights_generate_exactly_like_dequantized(fp8_folder, monkeypa
     prompts = make_prompts(_config(fp8_folder)["vocab_size"])
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
 
-    def run() -> tuple[dict[str, int], list[list[int]], list[list[float]]]:
-        llm = LLM(fp8_folder, dtype="float32", num_kv_blocks=128)
-        model = llm.llm_engine.engine_core.model_runner.model
-        fp8 = {n: m.weight.dtype for n, m in model.named_modules()
-               if isinstance(m, Linear) and isinstance(m.linear_method, Fp8BlockLinearMethod)}
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        tokens = [o.outputs[0].token_ids for o in outs]
-        logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                    for o in outs]
-        return fp8, tokens, logprobs
+    def kept_linears(model):
+        return {n: m.weight.dtype for n, m in model.named_modules()
+                if isinstance(m, Linear) and isinstance(m.linear_method, Fp8BlockLinearMethod)}
 
-    plain_fp8, plain_tokens, plain_lp = run()
+    (plain_fp8, plain_tokens, plain_lp), (kept_fp8, kept_tokens, kept_lp) = (
+        dequantized_then_kept_runs(fp8_folder, prompts, params, monkeypatch, kept_linears))
     assert plain_fp8 == {}  # on CPU FP8 checkpoints are dequantized at load
-    monkeypatch.setattr(model_runner, "build_model", functools.partial(
-        loader.build_model, keep_fp8=True, fp8_kernel="dequant"))
-    kept_fp8, kept_tokens, kept_lp = run()
     assert set(kept_fp8) == expected_fp8_layers(_config(fp8_folder))
     assert set(kept_fp8.values()) == {torch.float8_e4m3fn}
     assert kept_tokens == plain_tokens

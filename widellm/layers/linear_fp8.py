@@ -66,6 +66,22 @@ def w8a8_linear_reference(x2: torch.Tensor, w: torch.Tensor,
     return grouped_gemm_fp8_contiguous_reference(q, q_scale, offsets, w[None], scale_inv[None])
 
 
+def check_kernel(kernel: str, block_size: tuple[int, int]) -> None:
+    """Raise ValueError unless ``kernel`` (one of KERNELS) can run ``block_size`` scales."""
+    if kernel not in KERNELS:
+        raise ValueError(f"FP8 kernel {kernel!r}: expected one of {KERNELS}")
+    if kernel == "w8a8" and tuple(block_size) != W8A8_BLOCK:
+        raise ValueError(f"the w8a8 kernel needs {W8A8_BLOCK} blocks, not {block_size}")
+
+
+def choose_kernel(kernel: str, block_size: tuple[int, int], x: torch.Tensor) -> str:
+    """The kernel for activations ``x``: a pinned one, or for "auto" w8a8 on CUDA with
+    128 x 128 blocks, else dequant."""
+    if kernel != "auto":
+        return kernel
+    return "w8a8" if x.is_cuda and tuple(block_size) == W8A8_BLOCK else "dequant"
+
+
 class Fp8BlockLinearMethod(LinearMethod):
     """FP8 weights with per-block scales; see the module docstring.
 
@@ -78,10 +94,7 @@ class Fp8BlockLinearMethod(LinearMethod):
     name = "fp8_block"
 
     def __init__(self, block_size: tuple[int, int], kernel: str = "auto") -> None:
-        if kernel not in KERNELS:
-            raise ValueError(f"FP8 linear kernel {kernel!r}: expected one of {KERNELS}")
-        if kernel == "w8a8" and tuple(block_size) != W8A8_BLOCK:
-            raise ValueError(f"the w8a8 kernel needs {W8A8_BLOCK} blocks, not {block_size}")
+        check_kernel(kernel, block_size)
         self.block_size = tuple(block_size)
         self.kernel = kernel
         # The model dtype, which dense_weight() returns (set when the FP8 weight replaces it).
@@ -99,14 +112,9 @@ class Fp8BlockLinearMethod(LinearMethod):
         layer.register_parameter(SCALE_INV_PARAM, nn.Parameter(
             torch.empty(grid, dtype=SCALE_DTYPE, device=device), requires_grad=False))
 
-    def _kernel(self, x: torch.Tensor) -> str:
-        if self.kernel != "auto":
-            return self.kernel
-        return "w8a8" if x.is_cuda and self.block_size == W8A8_BLOCK else "dequant"
-
     def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         scale_inv = getattr(layer, SCALE_INV_PARAM)
-        if self._kernel(x) == "dequant":
+        if choose_kernel(self.kernel, self.block_size, x) == "dequant":
             w = dequantize_blocks(layer.weight, scale_inv, self.block_size).to(x.dtype)
             return F.linear(x, w, layer.bias)
         x2 = x.reshape(-1, layer.in_features)

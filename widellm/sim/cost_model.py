@@ -44,7 +44,6 @@ all-to-alls) it does not.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence

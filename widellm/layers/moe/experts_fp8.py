@@ -36,7 +36,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from widellm.layers.linear_fp8 import FP8_DTYPE, KERNELS, SCALE_DTYPE, W8A8_BLOCK
+from widellm.layers.linear_fp8 import FP8_DTYPE, SCALE_DTYPE, check_kernel, choose_kernel
 from widellm.layers.moe.experts import experts_forward
 
 SCALE_SUFFIX = "_scale_inv"
@@ -134,10 +134,7 @@ class Fp8BlockExperts:
     name = "fp8_block"
 
     def __init__(self, block_size: tuple[int, int], kernel: str = "auto") -> None:
-        if kernel not in KERNELS:
-            raise ValueError(f"FP8 experts kernel {kernel!r}: expected one of {KERNELS}")
-        if kernel == "w8a8" and tuple(block_size) != W8A8_BLOCK:
-            raise ValueError(f"the w8a8 kernel needs {W8A8_BLOCK} blocks, not {block_size}")
+        check_kernel(kernel, block_size)
         self.block_size = tuple(block_size)
         self.kernel = kernel
 
@@ -165,16 +162,11 @@ class Fp8BlockExperts:
         inter_blocks = layer.intermediate_size // self.block_size[0]
         return slice(0, inter_blocks) if shard_id == "w1" else slice(inter_blocks, None)
 
-    def _kernel(self, x: torch.Tensor) -> str:
-        if self.kernel != "auto":
-            return self.kernel
-        return "w8a8" if x.is_cuda and self.block_size == W8A8_BLOCK else "dequant"
-
     def apply(self, layer: nn.Module, hidden: torch.Tensor,
               expert_ids: torch.Tensor) -> torch.Tensor:
         """``[N, H]`` unweighted outputs of the local experts for the dispatched rows."""
         w13_scale, w2_scale = getattr(layer, W13_SCALE), getattr(layer, W2_SCALE)
-        if self._kernel(hidden) == "dequant":
+        if choose_kernel(self.kernel, self.block_size, hidden) == "dequant":
             w13 = dequantize_expert_blocks(layer.w13_weight, w13_scale, self.block_size)
             w2 = dequantize_expert_blocks(layer.w2_weight, w2_scale, self.block_size)
             return experts_forward(hidden, expert_ids, w13.to(hidden.dtype), w2.to(hidden.dtype))
