@@ -19,6 +19,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from http import HTTPStatus
 
 import uvicorn
@@ -168,6 +169,9 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     ``max_request_body_bytes``, ``enable_tokenizer_info_endpoint`` and what
     ``serving_options`` reads."""
     served = engine.model_config.served_names
+    # /v1/models' "created": when this server made the model available, the same in every
+    # answer (a per-request time would differ between two listings a second apart).
+    created = int(time.time())
     pool = tokenizer_executor()
     options = dict(executor=pool, **serving_options(engine, args))
     completion = OpenAIServingCompletion(engine, served, args.max_n, **options)
@@ -220,7 +224,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     @api.get("/v1/models")
     async def models() -> ModelList:
         config = engine.model_config
-        return ModelList(data=[ModelCard(id=name, root=config.model,
+        return ModelList(data=[ModelCard(id=name, created=created, root=config.model,
                                          max_model_len=config.max_model_len) for name in served])
 
     @api.post("/v1/completions")
