@@ -20,6 +20,10 @@ NAME = re.compile(r"(?P<workload>decode|prefill)-(?P<backend>\w+?)-dbo_(?P<mode>
                   r"-r(?P<round>\d+)\.json$")
 
 
+def _throughput_key(workload: str) -> str:
+    return "output_tokens_per_s" if workload == "decode" else "total_tokens_per_s"
+
+
 def rows(out: Path) -> list[str]:
     runs: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
     for path in sorted(out.glob("*.json")):
@@ -28,12 +32,10 @@ def rows(out: Path) -> list[str]:
     lines = ["| workload | backend | DBO | tok/s per round | median | / off | exposed comm s "
              "(median per rank) | split steps per rank (last round) |",
              "|---|---|---|---|---:|---:|---|---|"]
-    medians: dict[tuple[str, str, str], float] = {}
+    medians = {cell: statistics.median(r[_throughput_key(cell[0])] for r in rs)
+               for cell, rs in runs.items()}
     for (workload, backend, mode), rs in sorted(runs.items()):
-        key = "output_tokens_per_s" if workload == "decode" else "total_tokens_per_s"
-        medians[(workload, backend, mode)] = statistics.median(r[key] for r in rs)
-    for (workload, backend, mode), rs in sorted(runs.items()):
-        key = "output_tokens_per_s" if workload == "decode" else "total_tokens_per_s"
+        key = _throughput_key(workload)
         med = medians[(workload, backend, mode)]
         off = medians.get((workload, backend, "off"))
         ranks = sorted(rs[0]["step_breakdown"])

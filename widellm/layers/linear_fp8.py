@@ -36,11 +36,12 @@ KERNELS = ("auto", "w8a8", "dequant")
 
 def dequantize_blocks(w: torch.Tensor, scale_inv: torch.Tensor,
                       block_size: tuple[int, int]) -> torch.Tensor:
-    """w ``[out, in]`` fp8, scale_inv ``[ceil(out/bo), ceil(in/bi)]`` -> ``[out, in]`` fp32 =
-    each value times its block's scale (the product DeepSeek's ``weight_dequant`` takes)."""
+    """w ``[..., out, in]`` fp8, scale_inv ``[..., ceil(out/bo), ceil(in/bi)]`` -> ``[..., out,
+    in]`` fp32 = each value times its block's scale (the product DeepSeek's ``weight_dequant``
+    takes); leading dims such as stacked experts' pass through."""
     rows, cols = block_size
-    scale = scale_inv.repeat_interleave(rows, dim=0).repeat_interleave(cols, dim=1)
-    return w.to(SCALE_DTYPE) * scale[: w.shape[0], : w.shape[1]]
+    scale = scale_inv.repeat_interleave(rows, dim=-2).repeat_interleave(cols, dim=-1)
+    return w.to(SCALE_DTYPE) * scale[..., : w.shape[-2], : w.shape[-1]]
 
 
 def w8a8_linear(x2: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

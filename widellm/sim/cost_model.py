@@ -108,6 +108,11 @@ class AnalyticCostModel:
         self.act_dtype = act_dtype
         self.kv_dtype = kv_dtype
         self.all2all_fixed_capacity = all2all_fixed_capacity
+        # Expert slots per rank (routed experts plus EPLB's redundant ones, split over the
+        # ranks); fixed for the deployment.
+        self.local_experts = ((shape.n_routed_experts + deployment.num_redundant_experts)
+                              / deployment.num_ranks if deployment.expert_parallel
+                              else shape.n_routed_experts)
 
     # --- one GEMM-like op ---------------------------------------------------------------
     def gemm_time(self, rows: float, params: float, dtype: str) -> float:
@@ -149,7 +154,7 @@ class AnalyticCostModel:
         experts = 0.0
         p = self.profile
         if recv > 0 and p.expert_curve:
-            local = self._local_experts()
+            local = self.local_experts
             experts = (local * s.expert_params * DTYPE_BYTES[wd]
                        * p.expert_seconds_per_byte(recv / local))
         elif recv > 0 and active > 0:
@@ -184,17 +189,12 @@ class AnalyticCostModel:
                       + rows * MLP_ACT_PASSES * shared_inter) * per_value,
         )
 
-    def _local_experts(self) -> float:
-        s, d = self.shape, self.deployment
-        return ((s.n_routed_experts + d.num_redundant_experts) / d.num_ranks
-                if d.expert_parallel else s.n_routed_experts)
-
     def _expert_rows(self, load: RankStepLoad) -> tuple[float, int]:
         """(rows this rank's experts compute, active local experts) per MoE layer."""
         s = self.shape
         if s.num_moe_layers == 0:
             return 0.0, 0
-        local = self._local_experts()
+        local = self.local_experts
         recv, active = load.expert_recv_tokens, load.active_local_experts
         if recv <= 0 and load.num_tokens > 0 and not load.is_dummy:
             # The runner left the routing counts out: uniform routing, balanced ranks.

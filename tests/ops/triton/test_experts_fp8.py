@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from widellm.layers.moe.experts import reference_experts_forward
-from widellm.layers.moe.experts_fp8 import dequantize_expert_blocks, w8a8_experts_forward
+from widellm.layers.linear_fp8 import dequantize_blocks
+from widellm.layers.moe.experts_fp8 import w8a8_experts_forward
 from widellm.model.fp8 import quantize_weight_block_fp8
 
 BLOCK = (128, 128)
@@ -57,8 +58,8 @@ def test_w8a8_experts_equal_their_twin(device, name, counts, skipped):
     assert got.dtype == twin.dtype == torch.bfloat16
     skipped_rows = expert_ids < 0
     assert bool((got[skipped_rows] == 0).all()) and bool((twin[skipped_rows] == 0).all())
-    w13_exact = dequantize_expert_blocks(w13, w13_scale, BLOCK).cpu()
-    w2_exact = dequantize_expert_blocks(w2, w2_scale, BLOCK).cpu()
+    w13_exact = dequantize_blocks(w13, w13_scale, BLOCK).cpu()
+    w2_exact = dequantize_blocks(w2, w2_scale, BLOCK).cpu()
     exact = reference_experts_forward(hidden.float().cpu(), expert_ids.cpu(), w13_exact, w2_exact)
     # The first GEMM's bf16 outputs round differently in the kernel and the twin (their fp32
     # sums run in another order), and a value that moves by one bf16 step can cross an FP8

@@ -23,9 +23,9 @@ given :class:`Fp8BlockExperts` before loading holds them stacked like its plain 
 
 EPLB moves ``w13_weight`` and ``w2_weight`` between ranks and not yet their scales, so a layer
 with EPLB placement keeps its experts dequantized (``fp8_experts_supported``). The w8a8 path
-is the contiguous layout only, with host syncs (the id range check, the GEMM's tile list): the
-masked layout a CUDA-graph decode step needs is the kernels' (``grouped_gemm_fp8_masked``) but
-not wired here yet.
+is the contiguous layout only (the sort and the kernels need no host sync); the masked layout
+DeepEP-style fixed-capacity decode fills is the kernels' (``grouped_gemm_fp8_masked``) but not
+wired here yet.
 """
 
 from __future__ import annotations
@@ -36,35 +36,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from widellm.layers.linear_fp8 import FP8_DTYPE, SCALE_DTYPE, check_kernel, choose_kernel
+from widellm.layers.linear_fp8 import (
+    FP8_DTYPE, SCALE_DTYPE, check_kernel, choose_kernel, dequantize_blocks,
+)
+from widellm.layers.moe.dispatch_ep import sort_by_destination
 from widellm.layers.moe.experts import experts_forward
 
 SCALE_SUFFIX = "_scale_inv"
 W13_SCALE = "w13_weight" + SCALE_SUFFIX
 W2_SCALE = "w2_weight" + SCALE_SUFFIX
-
-
-def dequantize_expert_blocks(w: torch.Tensor, scale_inv: torch.Tensor,
-                             block_size: tuple[int, int]) -> torch.Tensor:
-    """w ``[E, out, in]`` fp8, scale_inv ``[E, cdiv(out, bo), cdiv(in, bi)]`` -> ``[E, out, in]``
-    fp32 = each value times its block's scale (the loader's dequantization, per expert)."""
-    rows, cols = block_size
-    scale = scale_inv.repeat_interleave(rows, dim=1).repeat_interleave(cols, dim=2)
-    return w.to(SCALE_DTYPE) * scale[:, : w.shape[1], : w.shape[2]]
-
-
-def _sort_by_expert(expert_ids: torch.Tensor, num_experts: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order [N], offsets [E + 1])``: rows stably sorted by expert with skipped (-1) rows
-    last, and where each expert's rows start; the skipped rows own no expert."""
-    if bool((expert_ids >= num_experts).any()):
-        raise ValueError(f"expert id out of range for {num_experts} local experts")
-    keys = torch.where(expert_ids >= 0, expert_ids, num_experts)
-    order = torch.argsort(keys, stable=True)
-    counts = torch.bincount(keys, minlength=num_experts + 1)[:num_experts]
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=expert_ids.device)
-    offsets[1:] = torch.cumsum(counts, 0)
-    return order, offsets
 
 
 def w8a8_experts_forward(
@@ -93,7 +73,12 @@ def w8a8_experts_forward(
         from widellm.ops.triton_grouped_gemm_fp8 import grouped_gemm_fp8_contiguous as gemm
         from widellm.ops.triton_silu_mul_quant import per_token_group_quant as quant
         from widellm.ops.triton_silu_mul_quant import silu_and_mul_quant as silu_mul_quant
-    order, offsets = _sort_by_expert(expert_ids, w13.shape[0])
+    from widellm.ops.triton_grouped_gemm import expert_offsets
+
+    # Contiguous layout: rows grouped by expert (one "rank" per expert), skipped rows last and
+    # owned by no expert; an id past the local experts fails the sort's scatter.
+    sorted_rows = sort_by_destination(expert_ids[:, None], 1, w13.shape[0])
+    order, offsets = sorted_rows.order, expert_offsets(sorted_rows.counts)
     q, q_scale = quant(hidden.index_select(0, order))
     gate_up = gemm(q, q_scale, offsets, w13, w13_scale)  # [N, 2I]; zero past offsets[-1]
     q, q_scale = silu_mul_quant(gate_up)
@@ -167,8 +152,8 @@ class Fp8BlockExperts:
         """``[N, H]`` unweighted outputs of the local experts for the dispatched rows."""
         w13_scale, w2_scale = getattr(layer, W13_SCALE), getattr(layer, W2_SCALE)
         if choose_kernel(self.kernel, self.block_size, hidden) == "dequant":
-            w13 = dequantize_expert_blocks(layer.w13_weight, w13_scale, self.block_size)
-            w2 = dequantize_expert_blocks(layer.w2_weight, w2_scale, self.block_size)
+            w13 = dequantize_blocks(layer.w13_weight, w13_scale, self.block_size)
+            w2 = dequantize_blocks(layer.w2_weight, w2_scale, self.block_size)
             return experts_forward(hidden, expert_ids, w13.to(hidden.dtype), w2.to(hidden.dtype))
         return w8a8_experts_forward(hidden, expert_ids, layer.w13_weight, w13_scale,
                                     layer.w2_weight, w2_scale)

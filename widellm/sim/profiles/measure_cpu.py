@@ -159,9 +159,14 @@ def _gloo_all_to_all(reps: int) -> tuple[float, float, float]:
         procs = [subprocess.Popen([sys.executable, "-c", _A2A_WORKER, str(rank), store,
                                    str(reps), out, str(A2A_SMALL_BYTES), str(A2A_LARGE_BYTES)])
                  for rank in range(2)]
-        for proc in procs:
-            if proc.wait(timeout=A2A_TIMEOUT_S) != 0:
-                raise RuntimeError(f"gloo all-to-all worker failed ({proc.returncode})")
+        try:
+            for proc in procs:
+                if proc.wait(timeout=A2A_TIMEOUT_S) != 0:
+                    raise RuntimeError(f"gloo all-to-all worker failed ({proc.returncode})")
+        finally:  # a failed or hung worker leaves its peer waiting in the collective
+            for proc in procs:
+                proc.kill()
+                proc.wait()
         with open(out, encoding="utf-8") as f:
             small, large, busy = (float(x) for x in f.read().split())
     bandwidth = (A2A_LARGE_BYTES - A2A_SMALL_BYTES) / max(large - small, 1e-9)

@@ -17,6 +17,7 @@ experts) and fp32, the dtype CPU runs use. The expert shape is deepseek-v3-small
 from __future__ import annotations
 
 import contextlib
+import select
 import subprocess
 import sys
 import time
@@ -147,9 +148,10 @@ def busy_neighbour() -> Iterator[None]:
     proc = subprocess.Popen([sys.executable, "-c", _NEIGHBOUR], stdout=subprocess.PIPE,
                             text=True)
     try:
-        deadline = time.monotonic() + NEIGHBOUR_START_TIMEOUT_S
-        line = proc.stdout.readline()  # blocks until the neighbour computes (or dies)
-        if line.strip() != "ready" or time.monotonic() > deadline:
+        # Its "ready" line, or nothing within the timeout (a watchdog: readline alone would
+        # wait forever on a neighbour stuck before printing).
+        ready, _, _ = select.select([proc.stdout], [], [], NEIGHBOUR_START_TIMEOUT_S)
+        if not ready or proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the neighbour process did not start ({proc.poll()})")
         yield
     finally:
