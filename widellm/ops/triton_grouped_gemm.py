@@ -41,8 +41,11 @@ FP8_GROUP = 128
 # Row-tile entry that belongs to no expert (the contiguous tile list is sized for the worst
 # case, so its tail is unused).
 NO_EXPERT = -1
-# Activation/weight dtypes of the non-FP8 path (tl.dot multiplies them on tensor cores).
+# Activation/weight dtypes of the non-FP8 path: bf16/fp16 on tensor cores, fp32 with full
+# fp32 products ("ieee": tf32 would cost ~1e-3 relative error; fp32 is the dtype the engine's
+# exactness tests run in).
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+PLAIN_DTYPES = HALF_DTYPES + (torch.float32,)
 
 
 @triton.jit
@@ -52,7 +55,8 @@ def _grouped_gemm_kernel(
     N, K, capacity,
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
     stride_xsm, stride_xsk, stride_wse, stride_wsn, stride_wsk,
-    MASKED: tl.constexpr, FP8: tl.constexpr, UPCAST_DOT: tl.constexpr, GROUP: tl.constexpr,
+    MASKED: tl.constexpr, FP8: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` rows of one expert times ``BLOCK_N`` output columns.
@@ -117,7 +121,7 @@ def _grouped_gemm_kernel(
                 # bf16 -> fp32 is exact, so the result is the same product.
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     y_ptrs = y_ptr + rows64[:, None] * stride_ym + cols.to(tl.int64)[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
@@ -205,7 +209,8 @@ def launch_grouped_gemm(
         y.stride(0), y.stride(1),
         scale_x_strides[0], scale_x_strides[1],
         w_scale.stride(0), w_scale.stride(1), w_scale.stride(2),
-        MASKED=masked, FP8=fp8, UPCAST_DOT=x.device.type != "cuda", GROUP=FP8_GROUP,
+        MASKED=masked, FP8=fp8, UPCAST_DOT=x.device.type != "cuda",
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GROUP=FP8_GROUP,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
 
@@ -222,7 +227,7 @@ def check_weight(w: torch.Tensor, k: int, dtypes: tuple[torch.dtype, ...]) -> No
 def grouped_gemm_contiguous(
     x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor
 ) -> torch.Tensor:
-    """Contiguous-layout grouped GEMM, bf16 (or fp16) in, fp32 accumulate.
+    """Contiguous-layout grouped GEMM, bf16 (fp16, fp32) in, fp32 accumulate.
 
     Args:
         x: ``[M, K]`` bf16 rows sorted by expert.
@@ -234,7 +239,7 @@ def grouped_gemm_contiguous(
         ``[M, N]`` in x's dtype; ``y[r] = x[r] @ w[e].T`` for the expert owning row ``r``,
         zero for rows no expert owns (before ``offsets[0]`` or from ``offsets[E]`` on).
     """
-    check_weight(w, x.shape[-1], HALF_DTYPES)
+    check_weight(w, x.shape[-1], PLAIN_DTYPES)
     if x.dim() != 2 or x.dtype != w.dtype or offsets.shape != (w.shape[0] + 1,):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype}, offsets {tuple(offsets.shape)} do not "
                          f"match weights {tuple(w.shape)} {w.dtype}")
@@ -245,7 +250,7 @@ def grouped_gemm_contiguous(
 
 
 def grouped_gemm_masked(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Masked-layout grouped GEMM, bf16 (or fp16) in, fp32 accumulate.
+    """Masked-layout grouped GEMM, bf16 (fp16, fp32) in, fp32 accumulate.
 
     Args:
         x: ``[E, C, K]`` bf16; rows ``[counts[e], C)`` of expert ``e`` are padding (any bits,
@@ -256,7 +261,7 @@ def grouped_gemm_masked(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) 
     Returns:
         ``[E, C, N]`` in x's dtype; padded rows are **zero** (so a combine may sum them).
     """
-    check_weight(w, x.shape[-1], HALF_DTYPES)
+    check_weight(w, x.shape[-1], PLAIN_DTYPES)
     num_experts, capacity, k = x.shape
     if x.dtype != w.dtype or x.shape[0] != w.shape[0] or counts.shape != (num_experts,):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype}, counts {tuple(counts.shape)} do not "

@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from widellm.core.scheduler_output import SchedulerOutput
 from widellm.sampling_params import SamplingParams
+from widellm.structured_output.runner_grammars import RunnerGrammars
 
 
 @dataclass(slots=True)
@@ -92,7 +94,47 @@ class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     kv_stream_tokens: dict[str, int] = field(default_factory=dict)
+    # The capture size a decode step replays at (its rows are loaded into the step buffers
+    # when it runs; ``attn_metadata`` is then the unpadded host form). None: runs eagerly.
+    graph_size: int | None = None
 
     @property
     def num_rows(self) -> int:
-        return self.input_ids.shape[0]
+        return self.graph_size or self.input_ids.shape[0]
+
+
+def apply_scheduler_output(states: dict[str, CachedRequestState],
+                           generators: dict[str, torch.Generator], grammars: RunnerGrammars,
+                           so: SchedulerOutput, device: str = "cpu") -> None:
+    """Apply the scheduler's diffs to the runner's request states: drop finished and preempted
+    requests, add new ones (a seeded request gets its generator on ``device`` once: it outlives
+    preemption), extend the running ones' blocks and computed counts."""
+    for req_id in so.finished_req_ids:
+        states.pop(req_id, None)
+        generators.pop(req_id, None)
+        grammars.remove(req_id)
+    for req_id in so.preempted_req_ids:
+        states.pop(req_id, None)
+        grammars.remove(req_id)
+    for new in so.scheduled_new_reqs:
+        params = new.sampling_params
+        if params.seed is not None and new.req_id not in generators:
+            generators[new.req_id] = torch.Generator(device=device).manual_seed(params.seed)
+        states[new.req_id] = CachedRequestState(
+            req_id=new.req_id,
+            token_ids=new.prompt_token_ids + new.output_token_ids,
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=new.eos_token_ids,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+        if new.grammar is not None:
+            grammars.add(new.req_id, new.grammar, new.output_token_ids)
+    cached = so.scheduled_cached_reqs
+    for req_id, block_ids, num_computed in zip(
+        cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+    ):
+        state = states[req_id]
+        state.block_ids.extend(block_ids)
+        state.num_computed_tokens = num_computed

@@ -37,13 +37,15 @@ from widellm.worker.cpu_allocator import keep_freed_memory
 from widellm.worker.dbo_runner import DualBatchRunner
 from widellm.worker.eplb_controller import EplbController
 from widellm.worker.graph_buckets import bucket_for
+from widellm.worker.graph_runner import GraphRunner, make_graph_runner
 from widellm.worker.input_batch import (
-    BatchInputs, CachedRequestState, ModelInput, build_batch_inputs,
+    BatchInputs, CachedRequestState, ModelInput, apply_scheduler_output, build_batch_inputs,
 )
 from widellm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from widellm.worker.logprobs_lists import compute_prompt_logprobs, to_lists
 from widellm.worker.sampler import Sampler
 from widellm.worker.sampling_metadata import SamplingMetadata
+from widellm.worker.step_buffers import DecodeStepBuffers, DeviceSampledIds
 from widellm.worker.ubatch_split import split_dummy_batch, split_model_input
 
 logger = logging.getLogger(__name__)
@@ -93,12 +95,16 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = RunnerGrammars(self.vocab_size)  # structured outputs' matchers
         self.graph_sizes = config.scheduler_config.cudagraph_capture_sizes
+        # Decode steps replayed as graphs (capture_decode_graphs), and the previous step's
+        # sampled ids left on the device for them.
+        self.graphs: GraphRunner | None = None
+        self.prev_sampled: DeviceSampledIds | None = None
         self.kv_caches: list[torch.Tensor] = []
         # Decode attention reads the paged cache in place where the CPU kernel is available and
         # every attention layer prefers it; otherwise it gathers each context and runs torch
         # attention (the reference path).
         attn = [m for m in self.model.modules() if hasattr(m, "prefers_in_place_decode")]
-        backend = make_attention_backend(mc.attention_backend)
+        backend = self.attention_backend = make_attention_backend(mc.attention_backend)
         bind_attention_backend(self.model, backend)
         self.decode_in_place = backend.in_place_decode or (
             not config.on_cuda
@@ -159,7 +165,8 @@ class ModelRunner:
         """Apply ``so`` to the request states and build its forward inputs (None when nothing
         is scheduled). Split from the forward so that a lockstep rank can vote its row count
         before it runs."""
-        self._update_states(so)
+        apply_scheduler_output(self.states, self.generators, self.grammars, so,
+                               self.config.device)
         if so.is_empty:
             return None
         batch = build_batch_inputs(self.states, so.num_scheduled_tokens)
@@ -168,6 +175,10 @@ class ModelRunner:
             self.block_size, self.decode_in_place,
         )
         input_ids, positions = batch.input_ids, torch.from_numpy(batch.positions)
+        size = (bucket_for(md.num_tokens, self.graphs.sizes)
+                if self.graphs is not None and not md.prefills else None)
+        if size is not None:  # loaded into the step buffers when it runs
+            return ModelInput(batch, md, input_ids, positions, so.kv_stream_tokens, size)
         num_padded = (self._padded_num_tokens(md.num_tokens) if md.prefills
                       else bucket_for(md.num_tokens, self.graph_sizes) or md.num_tokens)
         if num_padded > md.num_tokens:  # padding rows: token 0 at position 0
@@ -190,7 +201,10 @@ class ModelRunner:
         if streams:
             self.kv_connector.begin_forward(inp.kv_stream_tokens, 2 if split else 1)
         try:
-            if split:
+            if inp.graph_size is not None:
+                with maybe_phase(timer, "forward"):
+                    hidden = self._replay(inp)
+            elif split:
                 ubatches = split_model_input(inp, self.block_size, self.decode_in_place,
                                              dp_metadata)
                 with maybe_phase(timer, "forward"):
@@ -205,8 +219,33 @@ class ModelRunner:
         with maybe_phase(timer, "sample"):
             return self._sample(inp.batch, hidden)
 
-    def _sample(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _replay(self, inp: ModelInput) -> torch.Tensor:
+        md = self.graphs.buffers.load(inp.batch, inp.attn_metadata.slot_mapping, inp.graph_size,
+                                      self.prev_sampled)
+        return self.graphs.run(md)
 
+    def capture_decode_graphs(self, eager: bool = False) -> None:
+        """Capture a graph per capture size for decode-only steps (after the KV cache is bound:
+        graphs record its addresses). On a CUDA engine with capture sizes this records CUDA
+        graphs; ``eager`` (or a CPU engine) builds the reference twin that runs the same buffers
+        eagerly, which is how the tests check them. Not yet under expert parallelism (its
+        ranks must then all replay the same size)."""
+        if not self.graph_sizes:
+            raise ValueError("decode graphs need capture sizes (--cuda-graph-sizes)")
+        if self.ep_size is not None:
+            raise ValueError("decode graphs under expert parallelism are not built yet")
+        # Graph steps decode in place whatever the layers prefer (the shapes must not depend
+        # on the contexts): the backend must be able to.
+        if not (self.attention_backend.in_place_decode or load_cpu_kernels() is not None):
+            raise ValueError("decode graphs need decode attention that reads the cache in place")
+        max_blocks = -(-self.config.model_config.max_model_len // self.block_size)
+        buffers = DecodeStepBuffers(max(self.graph_sizes), max_blocks, self.block_size,
+                                    self.config.device)
+        self.graphs = make_graph_runner(self.model, buffers, self.graph_sizes, eager)
+        self.graphs.capture()
+
+    def _sample(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        self.prev_sampled = None
         query_end = np.cumsum(batch.query_lens)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         terminated: set[str] = set()
@@ -220,6 +259,8 @@ class ModelRunner:
                 with maybe_phase(self.step_timer, "grammar"):
                     self.grammars.mask_logits_(logits, row_ids)
             out = self.sampler(logits, self._sampling_metadata(batch, rows))
+            self.prev_sampled = DeviceSampledIds(out.sampled_token_ids,
+                                                 {r: j for j, r in enumerate(row_ids)})
             tokens = out.sampled_token_ids.tolist()
             if self.grammars.matchers:
                 with maybe_phase(self.step_timer, "grammar"):
@@ -334,37 +375,6 @@ class ModelRunner:
                 self.eplb.before_forward()
 
     # ---- helpers ---------------------------------------------------------------------------
-
-    def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
-            self.states.pop(req_id, None)
-            self.generators.pop(req_id, None)
-            self.grammars.remove(req_id)
-        for req_id in so.preempted_req_ids:
-            self.states.pop(req_id, None)
-            self.grammars.remove(req_id)
-        for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            if params.seed is not None and new.req_id not in self.generators:
-                self.generators[new.req_id] = torch.Generator().manual_seed(params.seed)
-            self.states[new.req_id] = CachedRequestState(
-                req_id=new.req_id,
-                token_ids=new.prompt_token_ids + new.output_token_ids,
-                num_prompt_tokens=len(new.prompt_token_ids),
-                sampling_params=params,
-                eos_token_ids=new.eos_token_ids,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-            )
-            if new.grammar is not None:
-                self.grammars.add(new.req_id, new.grammar, new.output_token_ids)
-        cached = so.scheduled_cached_reqs
-        for req_id, block_ids, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            state = self.states[req_id]
-            state.block_ids.extend(block_ids)
-            state.num_computed_tokens = num_computed
 
     def _sampling_metadata(self, batch: BatchInputs, rows: list[int]) -> SamplingMetadata:
         states = [self.states[batch.req_ids[r]] for r in rows]

@@ -1,4 +1,4 @@
-"""FP8 routed experts (``layers/moe/experts_fp8.py``): the W8A8 sequence on the Triton kernels
+"""FP8 routed experts (``layers/moe/experts_fp8.py``, ``experts_triton.py``): the W8A8 sequence on the Triton kernels
 (sort by expert, token-group quant, grouped GEMM, fused SiLU-and-mul + quant, grouped GEMM,
 unsort) against the same sequence on the ops' torch twins, and both against the fp32 experts on
 the dequantized weights."""
@@ -10,7 +10,7 @@ import torch
 
 from widellm.layers.moe.experts import reference_experts_forward
 from widellm.layers.linear_fp8 import dequantize_blocks
-from widellm.layers.moe.experts_fp8 import w8a8_experts_forward
+from widellm.layers.moe.experts_triton import triton_experts_forward
 from widellm.model.fp8 import quantize_weight_block_fp8
 
 BLOCK = (128, 128)
@@ -51,9 +51,9 @@ def test_w8a8_experts_equal_their_twin(device, name, counts, skipped):
     w2, w2_scale = _quantized_experts(len(counts), HIDDEN, INTER, device)
     hidden, expert_ids = _inputs(counts, skipped, device)
 
-    got = w8a8_experts_forward(hidden, expert_ids, w13, w13_scale, w2, w2_scale)
-    twin = w8a8_experts_forward(hidden, expert_ids, w13, w13_scale, w2, w2_scale,
-                                reference=True)
+    got = triton_experts_forward(hidden, expert_ids, w13, w2, w13_scale, w2_scale)
+    twin = triton_experts_forward(hidden, expert_ids, w13, w2, w13_scale, w2_scale,
+                                  reference=True)
     assert got.shape == twin.shape == (sum(counts) + skipped, HIDDEN)
     assert got.dtype == twin.dtype == torch.bfloat16
     skipped_rows = expert_ids < 0

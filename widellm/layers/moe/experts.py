@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from widellm.layers.activation import silu_and_mul
+from widellm.layers.moe.experts_triton import triton_experts_forward
 from widellm.ops.cpu_kernels import load_cpu_kernels
 
 
@@ -200,7 +201,10 @@ def experts_forward(
     hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 ) -> torch.Tensor:
     """Pick the fused kernel where it runs, else the layout by the rows each expert gets; all
-    give the reference result."""
+    give the reference result. On a GPU: the Triton kernels, with no host sync (so decode
+    steps can be captured in CUDA graphs)."""
+    if hidden.device.type == "cuda":
+        return triton_experts_forward(hidden, expert_ids, w13, w2)
     if fused_experts_backend(hidden, w13) is not None:
         return fused_experts_forward(hidden, expert_ids, w13, w2)
     if prefers_masked_layout(expert_ids, w13.shape[0]):

@@ -15,17 +15,18 @@ given :class:`Fp8BlockExperts` before loading holds them stacked like its plain 
 
 * ``w8a8`` (CUDA): rows sorted by expert (contiguous layout), activations quantized per token
   and 128-column group, the Triton FP8 grouped GEMM for w13, the fused SiLU-and-mul + quant,
-  the grouped GEMM for w2, rows put back in order. :func:`w8a8_experts_forward` with
-  ``reference=True`` runs the same sequence on the ops' torch twins.
+  the grouped GEMM for w2, rows put back in order
+  (:func:`~widellm.layers.moe.experts_triton.triton_experts_forward` with the scales; its
+  ``reference=True`` runs the same sequence on the ops' torch twins).
 * ``dequant`` (CPU, the reference): the weights are dequantized to the rows' dtype per call and
   run by :func:`~widellm.layers.moe.experts.experts_forward`; fp32 results equal those of a
   checkpoint dequantized at load, bit for bit.
 
 EPLB moves ``w13_weight`` and ``w2_weight`` between ranks and not yet their scales, so a layer
 with EPLB placement keeps its experts dequantized (``fp8_experts_supported``). The w8a8 path
-is the contiguous layout only (the sort and the kernels need no host sync); the masked layout
-DeepEP-style fixed-capacity decode fills is the kernels' (``grouped_gemm_fp8_masked``) but not
-wired here yet.
+is the contiguous layout only (the sort and the kernels need no host sync, so a decode step can
+be captured in a CUDA graph); the masked layout DeepEP-style fixed-capacity decode fills is the
+kernels' (``grouped_gemm_fp8_masked``) but not wired here yet.
 """
 
 from __future__ import annotations
@@ -39,53 +40,12 @@ from torch import nn
 from widellm.layers.linear_fp8 import (
     FP8_DTYPE, SCALE_DTYPE, check_kernel, choose_kernel, dequantize_blocks,
 )
-from widellm.layers.moe.dispatch_ep import sort_by_destination
 from widellm.layers.moe.experts import experts_forward
+from widellm.layers.moe.experts_triton import triton_experts_forward
 
 SCALE_SUFFIX = "_scale_inv"
 W13_SCALE = "w13_weight" + SCALE_SUFFIX
 W2_SCALE = "w2_weight" + SCALE_SUFFIX
-
-
-def w8a8_experts_forward(
-    hidden: torch.Tensor, expert_ids: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
-    w2: torch.Tensor, w2_scale: torch.Tensor, reference: bool = False,
-) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` per row's expert, W8A8 with DeepGEMM's scales.
-
-    Args:
-        hidden: ``[N, H]`` rows (bf16 on CUDA; any float dtype).
-        expert_ids: ``[N]`` int64 local expert ids, -1 to skip the row.
-        w13, w13_scale: ``[E, 2I, H]`` float8 and ``[E, 2I / 128, cdiv(H, 128)]`` fp32.
-        w2, w2_scale: ``[E, H, I]`` float8 and ``[E, cdiv(H, 128), cdiv(I, 128)]`` fp32.
-        reference: run the ops' torch twins instead of the Triton kernels.
-
-    Returns:
-        ``[N, H]`` in hidden's dtype; zero rows where ``expert_ids`` is -1.
-    """
-    if reference:
-        from widellm.ops.triton_grouped_gemm_fp8 import (
-            grouped_gemm_fp8_contiguous_reference as gemm)
-        from widellm.ops.triton_silu_mul_quant import (
-            per_token_group_quant_reference as quant,
-            silu_and_mul_quant_reference as silu_mul_quant)
-    else:
-        from widellm.ops.triton_grouped_gemm_fp8 import grouped_gemm_fp8_contiguous as gemm
-        from widellm.ops.triton_silu_mul_quant import per_token_group_quant as quant
-        from widellm.ops.triton_silu_mul_quant import silu_and_mul_quant as silu_mul_quant
-    from widellm.ops.triton_grouped_gemm import expert_offsets
-
-    # Contiguous layout: rows grouped by expert (one "rank" per expert), skipped rows last and
-    # owned by no expert; an id past the local experts fails the sort's scatter.
-    sorted_rows = sort_by_destination(expert_ids[:, None], 1, w13.shape[0])
-    order, offsets = sorted_rows.order, expert_offsets(sorted_rows.counts)
-    q, q_scale = quant(hidden.index_select(0, order))
-    gate_up = gemm(q, q_scale, offsets, w13, w13_scale)  # [N, 2I]; zero past offsets[-1]
-    q, q_scale = silu_mul_quant(gate_up)
-    down = gemm(q, q_scale, offsets, w2, w2_scale)  # [N, H]
-    out = torch.zeros_like(hidden)
-    out.index_copy_(0, order, down.to(hidden.dtype))
-    return out
 
 
 def fp8_experts_supported(layer: nn.Module, block_size: tuple[int, int]) -> bool:
@@ -155,5 +115,5 @@ class Fp8BlockExperts:
             w13 = dequantize_blocks(layer.w13_weight, w13_scale, self.block_size)
             w2 = dequantize_blocks(layer.w2_weight, w2_scale, self.block_size)
             return experts_forward(hidden, expert_ids, w13.to(hidden.dtype), w2.to(hidden.dtype))
-        return w8a8_experts_forward(hidden, expert_ids, layer.w13_weight, w13_scale,
-                                    layer.w2_weight, w2_scale)
+        return triton_experts_forward(hidden, expert_ids, layer.w13_weight, layer.w2_weight,
+                                      w13_scale, w2_scale)
