@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from widellm.device import resolve_device
+from widellm.device import UNVERIFIED_CUDA_ENV, resolve_device
 from widellm.distributed.groups import collective_backend
 from widellm.engine import kv_budget
 from widellm.engine.arg_utils import EngineArgs
@@ -100,12 +100,20 @@ def test_engine_config_and_collectives_are_the_cpu_ones(gpu_host, model_dir):
 
 
 @pytest.mark.parametrize("visible", [False, True], ids=["cpu-host", "gpu-host"])
-def test_device_resolution(visible):
+def test_device_resolution(visible, monkeypatch):
     assert resolve_device("cpu", cuda_available=visible) == "cpu"
     assert resolve_device("auto", cuda_available=visible) == "cpu"
-    reason = "CUDA model runner is not finished" if visible else "no CUDA device is visible"
+    reason = "not been verified on a GPU" if visible else "no CUDA device is visible"
     with pytest.raises(ValueError, match=reason):
         resolve_device("cuda", cuda_available=visible)
+    # The GPU check's override runs CUDA where a GPU is visible, and only there.
+    monkeypatch.setenv(UNVERIFIED_CUDA_ENV, "1")
+    if visible:
+        assert resolve_device("cuda", cuda_available=visible) == "cuda"
+        assert resolve_device("auto", cuda_available=visible) == "cpu"
+    else:
+        with pytest.raises(ValueError, match="no CUDA device is visible"):
+            resolve_device("cuda", cuda_available=visible)
     with pytest.raises(ValueError, match="expected one of"):
         resolve_device("tpu", cuda_available=visible)
 

@@ -70,7 +70,8 @@ def summarize(totals: dict[str, float]) -> dict[str, float]:
     communication (the MoE exchange stages, packing included; of it, the time blocked on
     transfers is ``comm_exposed_s``), ``comm_hidden_s`` (transfer time that passed while the
     rank computed, see ``layers/moe/comm_tracking.py``), idle (dummy batches + lockstep waits), sampling and
-    scheduling."""
+    scheduling. Decode steps replayed as graphs count whole in ``graph_replay_s`` (a graph
+    cannot be timed inside)."""
     moe = totals.get("moe_dispatch", 0.0) + totals.get("moe_combine", 0.0)
     experts = totals.get("moe_experts", 0.0)
     return {
@@ -83,4 +84,5 @@ def summarize(totals: dict[str, float]) -> dict[str, float]:
         "sample_s": totals.get("sample", 0.0),
         "schedule_s": totals.get("schedule", 0.0),
         "eplb_s": totals.get("eplb", 0.0),
+        "graph_replay_s": totals.get("graph_replay", 0.0),
     }

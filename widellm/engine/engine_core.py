@@ -154,8 +154,6 @@ class EngineCore:
         # The shapes of a full prefill step and of a full decode step.
         # (A decode step has at most max_num_seqs rows and never more than the token budget.)
         runner.warmup([sc.max_num_batched_tokens, min(sc.max_num_seqs, sc.max_num_batched_tokens)])
-        if self.config.on_cuda and runner.graph_sizes and runner.ep_size is None:
-            runner.capture_decode_graphs()  # CUDA graphs of decode steps (not yet under EP)
         return runner, num_blocks
 
     def warm_next_size(self) -> None:

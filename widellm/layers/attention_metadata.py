@@ -150,17 +150,30 @@ def pad_attention_metadata(md: AttentionMetadata, num_tokens: int) -> AttentionM
     )
 
 
-def dummy_attention_metadata(num_tokens: int = 1) -> AttentionMetadata:
+def dummy_attention_metadata(num_tokens: int = 1,
+                             device: torch.device | str = "cpu") -> AttentionMetadata:
     """``num_tokens`` padding tokens in one causal prefill, writing nothing to the cache. One
     token is the batch a rank without work runs so that the expert-parallel collectives of
     every layer line up; larger ones warm the model up at start-up."""
     return AttentionMetadata(
         num_tokens=num_tokens,
-        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         num_decodes=0,
         decode_slots=None,
         decode_mask=None,
         prefills=[PrefillSeq(0, num_tokens, num_tokens, None, None)],
-        padding_mask=torch.ones(num_tokens, dtype=torch.bool),
+        padding_mask=torch.ones(num_tokens, dtype=torch.bool, device=device),
         num_actual_tokens=0,
     )
+
+
+def metadata_to(md: AttentionMetadata, device: torch.device | str) -> AttentionMetadata:
+    """``md`` with every tensor on ``device`` (built on the host, used by a GPU's kernels)."""
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    fields = {f.name: move(getattr(md, f.name)) for f in dataclasses.fields(md)
+              if isinstance(getattr(md, f.name), torch.Tensor)}
+    prefills = [dataclasses.replace(p, context_slots=move(p.context_slots), mask=move(p.mask))
+                for p in md.prefills]
+    return dataclasses.replace(md, prefills=prefills, **fields)

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from widellm.forward_context import set_forward_context
+from widellm.forward_context import DPMetadata, set_forward_context
 from widellm.layers.attention_metadata import AttentionMetadata
 from widellm.worker.step_buffers import DecodeStepBuffers
 
@@ -37,20 +37,28 @@ WARMUP_RUNS = 2
 
 
 class GraphRunner(ABC):
-    """Replays decode steps of the capture ``sizes`` over ``buffers``."""
+    """Replays decode steps of the capture ``sizes`` over ``buffers``.
+
+    Under expert parallelism (``ep_size`` ranks) a graph records its MoE layers' exchanges as
+    if every rank ran ``size`` rows: only backends whose exchanges do not depend on the other
+    ranks' rows are recorded (``MoEDispatcher.capturable``), so each rank replays its own size
+    while the others replay theirs or run eagerly through the same fixed-shape exchanges.
+    """
 
     def __init__(self, model: nn.Module, buffers: DecodeStepBuffers,
-                 sizes: tuple[int, ...]) -> None:
+                 sizes: tuple[int, ...], ep_size: int | None = None) -> None:
         if not sizes or max(sizes) > buffers.max_rows:
             raise ValueError(f"capture sizes {sizes} do not fit buffers of {buffers.max_rows} rows")
         self.model = model
         self.buffers = buffers
         self.sizes = tuple(sorted(sizes))
+        self.ep_size = ep_size
 
     def forward_once(self, md: AttentionMetadata) -> torch.Tensor:
         """The model on the first ``md.num_tokens`` rows of the buffers: [size, hidden]."""
         size = md.num_tokens
-        with set_forward_context(md):
+        dp = DPMetadata((size,) * self.ep_size) if self.ep_size is not None else None
+        with set_forward_context(md, dp_metadata=dp):
             return self.model(self.buffers.input_ids[:size], self.buffers.positions[:size])
 
     @abstractmethod
@@ -79,8 +87,8 @@ class CudaGraphRunner(GraphRunner):
     """torch.cuda.CUDAGraph per size, one shared memory pool."""
 
     def __init__(self, model: nn.Module, buffers: DecodeStepBuffers,
-                 sizes: tuple[int, ...]) -> None:
-        super().__init__(model, buffers, sizes)
+                 sizes: tuple[int, ...], ep_size: int | None = None) -> None:
+        super().__init__(model, buffers, sizes, ep_size)
         if buffers.device.type != "cuda":
             raise ValueError("CUDA graphs need the step buffers on a CUDA device")
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -120,8 +128,23 @@ class CudaGraphRunner(GraphRunner):
 
 
 def make_graph_runner(model: nn.Module, buffers: DecodeStepBuffers, sizes: tuple[int, ...],
-                      eager: bool = False) -> GraphRunner:
+                      ep_size: int | None = None, eager: bool = False) -> GraphRunner:
     """CUDA graphs where the buffers are on a GPU; the eager twin when asked or on the CPU."""
     if eager or buffers.device.type != "cuda":
-        return EagerGraphRunner(model, buffers, sizes)
-    return CudaGraphRunner(model, buffers, sizes)
+        return EagerGraphRunner(model, buffers, sizes, ep_size)
+    return CudaGraphRunner(model, buffers, sizes, ep_size)
+
+
+def replayable(moe_layers: list[nn.Module], counts: tuple[int, ...]) -> bool:
+    """Whether a step whose ranks run ``counts`` rows may replay a graph: every MoE layer's
+    exchange is one a graph records (always true on one rank)."""
+    return all(m.dispatcher.capturable(counts, m.top_k) for m in moe_layers)
+
+
+def capturable_sizes(sizes: tuple[int, ...], moe_layers: list[nn.Module],
+                     ep_size: int | None) -> tuple[int, ...]:
+    """The capture sizes whose steps a graph can record (see :func:`replayable`): under
+    expert parallelism a size above what the fixed-capacity exchange takes is left eager."""
+    if ep_size is None:
+        return sizes
+    return tuple(s for s in sizes if replayable(moe_layers, (s,) * ep_size))

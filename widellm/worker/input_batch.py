@@ -94,13 +94,13 @@ class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     kv_stream_tokens: dict[str, int] = field(default_factory=dict)
-    # The capture size a decode step replays at (its rows are loaded into the step buffers
-    # when it runs; ``attn_metadata`` is then the unpadded host form). None: runs eagerly.
+    # The capture size a decode step may replay a graph at (its rows are then loaded into
+    # the step buffers; the padded host form is the eager fallback). None: runs eagerly.
     graph_size: int | None = None
 
     @property
     def num_rows(self) -> int:
-        return self.graph_size or self.input_ids.shape[0]
+        return self.input_ids.shape[0]
 
 
 def apply_scheduler_output(states: dict[str, CachedRequestState],

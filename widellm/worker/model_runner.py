@@ -25,7 +25,7 @@ from widellm.kv_transfer.kv_layout import block_dim_of
 from widellm.kv_transfer.registry import make_worker
 from widellm.layers.attention_backend import bind_attention_backend, make_attention_backend
 from widellm.layers.attention_metadata import (
-    build_attention_metadata, dummy_attention_metadata, pad_attention_metadata,
+    build_attention_metadata, dummy_attention_metadata, metadata_to, pad_attention_metadata,
 )
 from widellm.layers.linear import warm_packed_linears
 from widellm.layers.moe.layer import FusedMoE
@@ -37,7 +37,9 @@ from widellm.worker.cpu_allocator import keep_freed_memory
 from widellm.worker.dbo_runner import DualBatchRunner
 from widellm.worker.eplb_controller import EplbController
 from widellm.worker.graph_buckets import bucket_for
-from widellm.worker.graph_runner import GraphRunner, make_graph_runner
+from widellm.worker.graph_runner import (
+    GraphRunner, capturable_sizes, make_graph_runner, replayable,
+)
 from widellm.worker.input_batch import (
     BatchInputs, CachedRequestState, ModelInput, apply_scheduler_output, build_batch_inputs,
 )
@@ -52,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 # Test hook: seconds every model step sleeps before its forward (unset: none).
 TEST_STEP_SLEEP_ENV = "WIDELLM_TEST_STEP_SLEEP_S"
+# Test hook: "1" makes a CPU engine with capture sizes build the graph runner's eager twin at
+# start-up, where a CUDA engine captures its graphs (so multi-process tests run graph steps).
+TEST_EAGER_GRAPHS_ENV = "WIDELLM_TEST_EAGER_GRAPHS"
 # Domain tag of the per-rank seed derivation, so its digests collide with no other use.
 _CORE_SEED_TAG = b"widellm-engine-core-seed"
 # torch.Generator.manual_seed takes a 64-bit value; keep it non-negative.
@@ -95,6 +100,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.grammars = RunnerGrammars(self.vocab_size)  # structured outputs' matchers
         self.graph_sizes = config.scheduler_config.cudagraph_capture_sizes
+        self.capture_at_start = bool(self.graph_sizes) and (
+            config.on_cuda or os.environ.get(TEST_EAGER_GRAPHS_ENV) == "1")
         # Decode steps replayed as graphs (capture_decode_graphs), and the previous step's
         # sampled ids left on the device for them.
         self.graphs: GraphRunner | None = None
@@ -124,11 +131,11 @@ class ModelRunner:
         kvt = config.kv_transfer_config
         self.kv_connector: KVConnectorWorker | None = (
             make_worker(kvt, self.block_size, rank) if kvt is not None else None)
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         if ep is not None and ep.enable_eplb:
             pc = config.parallel_config
             num_nodes = max(1, pc.data_parallel_size // pc.local_size)
-            moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
-            self.eplb = EplbController(moe_layers, config.eplb_config, ep.rank, ep.size,
+            self.eplb = EplbController(self.moe_layers, config.eplb_config, ep.rank, ep.size,
                                        num_nodes, ep.group)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -175,17 +182,20 @@ class ModelRunner:
             self.block_size, self.decode_in_place,
         )
         input_ids, positions = batch.input_ids, torch.from_numpy(batch.positions)
-        size = (bucket_for(md.num_tokens, self.graphs.sizes)
-                if self.graphs is not None and not md.prefills else None)
-        if size is not None:  # loaded into the step buffers when it runs
-            return ModelInput(batch, md, input_ids, positions, so.kv_stream_tokens, size)
         num_padded = (self._padded_num_tokens(md.num_tokens) if md.prefills
                       else bucket_for(md.num_tokens, self.graph_sizes) or md.num_tokens)
         if num_padded > md.num_tokens:  # padding rows: token 0 at position 0
             md = pad_attention_metadata(md, num_padded)
             padding = torch.zeros(num_padded - len(input_ids), dtype=torch.int64)
             input_ids, positions = torch.cat([input_ids, padding]), torch.cat([positions, padding])
-        return ModelInput(batch, md, input_ids, positions, so.kv_stream_tokens)
+        # A captured size replays its graph on the step buffers when the ranks' agreement
+        # allows (run_model_input); the padded host form above is its eager fallback.
+        graph = self.graphs is not None and not md.prefills and num_padded in self.graphs.sizes
+        if self.config.on_cuda:  # the eager forward's inputs, on the GPU
+            md, input_ids, positions = (metadata_to(md, self.config.device),
+                                        input_ids.cuda(), positions.cuda())
+        return ModelInput(batch, md, input_ids, positions, so.kv_stream_tokens,
+                          num_padded if graph else None)
 
     @torch.inference_mode()
     def run_model_input(self, inp: ModelInput | None, dp_metadata: DPMetadata | None = None,
@@ -201,8 +211,10 @@ class ModelRunner:
         if streams:
             self.kv_connector.begin_forward(inp.kv_stream_tokens, 2 if split else 1)
         try:
-            if inp.graph_size is not None:
-                with maybe_phase(timer, "forward"):
+            if inp.graph_size is not None and not split and (
+                    dp_metadata is None
+                    or replayable(self.moe_layers, dp_metadata.num_tokens_across_dp)):
+                with maybe_phase(timer, "graph_replay"):
                     hidden = self._replay(inp)
             elif split:
                 ubatches = split_model_input(inp, self.block_size, self.decode_in_place,
@@ -220,28 +232,31 @@ class ModelRunner:
             return self._sample(inp.batch, hidden)
 
     def _replay(self, inp: ModelInput) -> torch.Tensor:
-        md = self.graphs.buffers.load(inp.batch, inp.attn_metadata.slot_mapping, inp.graph_size,
-                                      self.prev_sampled)
+        slots = inp.attn_metadata.slot_mapping[:len(inp.batch.req_ids)]
+        md = self.graphs.buffers.load(inp.batch, slots, inp.graph_size, self.prev_sampled)
         return self.graphs.run(md)
 
+    @torch.inference_mode()
     def capture_decode_graphs(self, eager: bool = False) -> None:
         """Capture a graph per capture size for decode-only steps (after the KV cache is bound:
-        graphs record its addresses). On a CUDA engine with capture sizes this records CUDA
-        graphs; ``eager`` (or a CPU engine) builds the reference twin that runs the same buffers
-        eagerly, which is how the tests check them. Not yet under expert parallelism (its
-        ranks must then all replay the same size)."""
+        graphs record its addresses). On a CUDA engine this records CUDA graphs; ``eager`` (or
+        a CPU engine) builds the reference twin that runs the same buffers eagerly, which is how
+        the tests check them. Under expert parallelism only the sizes whose MoE exchanges a
+        graph can record (``capturable_sizes``); every rank captures the same sizes in the
+        same order, so the capture runs' collectives line up."""
         if not self.graph_sizes:
             raise ValueError("decode graphs need capture sizes (--cuda-graph-sizes)")
-        if self.ep_size is not None:
-            raise ValueError("decode graphs under expert parallelism are not built yet")
+        sizes = capturable_sizes(self.graph_sizes, self.moe_layers, self.ep_size)
+        if not sizes:
+            logger.info("Decode steps run eagerly: this all-to-all backend cannot be captured")
+            return
         # Graph steps decode in place whatever the layers prefer (the shapes must not depend
         # on the contexts): the backend must be able to.
         if not (self.attention_backend.in_place_decode or load_cpu_kernels() is not None):
             raise ValueError("decode graphs need decode attention that reads the cache in place")
         max_blocks = -(-self.config.model_config.max_model_len // self.block_size)
-        buffers = DecodeStepBuffers(max(self.graph_sizes), max_blocks, self.block_size,
-                                    self.config.device)
-        self.graphs = make_graph_runner(self.model, buffers, self.graph_sizes, eager)
+        buffers = DecodeStepBuffers(max(sizes), max_blocks, self.block_size, self.config.device)
+        self.graphs = make_graph_runner(self.model, buffers, sizes, self.ep_size, eager)
         self.graphs.capture()
 
     def _sample(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
@@ -258,7 +273,9 @@ class ModelRunner:
                 logits = logits.to(torch.float32)
                 with maybe_phase(self.step_timer, "grammar"):
                     self.grammars.mask_logits_(logits, row_ids)
-            out = self.sampler(logits, self._sampling_metadata(batch, rows))
+            out = self.sampler(logits, SamplingMetadata.for_requests(
+                [self.states[r] for r in row_ids], self.generators, self.vocab_size,
+                self.config.device))
             self.prev_sampled = DeviceSampledIds(out.sampled_token_ids,
                                                  {r: j for j, r in enumerate(row_ids)})
             tokens = out.sampled_token_ids.tolist()
@@ -296,10 +313,11 @@ class ModelRunner:
             with maybe_phase(self.step_timer, "dummy"):
                 self._dual_batch().run(split_dummy_batch(DUMMY_BATCH_ROWS, dp_metadata), None)
             return
-        zeros = torch.zeros(DUMMY_BATCH_ROWS, dtype=torch.int64)
+        zeros = torch.zeros(DUMMY_BATCH_ROWS, dtype=torch.int64, device=self.config.device)
         # Not timed inside: its MoE communication is idle time, not this rank's own traffic.
         with maybe_phase(self.step_timer, "dummy"), set_forward_context(
-                dummy_attention_metadata(DUMMY_BATCH_ROWS), dp_metadata=dp_metadata):
+                dummy_attention_metadata(DUMMY_BATCH_ROWS, self.config.device),
+                dp_metadata=dp_metadata):
             self.model(zeros, zeros)
 
     def _dual_batch(self) -> DualBatchRunner:
@@ -334,8 +352,9 @@ class ModelRunner:
         for n in sizes:
             # Every rank warms the same sizes in the same order: the agreement is known.
             same = DPMetadata((n,) * self.ep_size) if self.ep_size is not None else None
-            with set_forward_context(dummy_attention_metadata(n), dp_metadata=same):
-                zeros = torch.zeros(n, dtype=torch.int64)  # token 0 at position 0
+            device = self.config.device
+            with set_forward_context(dummy_attention_metadata(n, device), dp_metadata=same):
+                zeros = torch.zeros(n, dtype=torch.int64, device=device)  # token 0, position 0
                 hidden = self.model(zeros, zeros)
             self.model.compute_logits(hidden[: min(n, self.config.scheduler_config.max_num_seqs)])
         # Every padded size a prompt step can have (the multiples below the budget; the budget
@@ -343,6 +362,8 @@ class ModelRunner:
         pad = self.config.scheduler_config.prefill_pad_multiple
         budget = self.config.scheduler_config.max_num_batched_tokens
         self.sizes_to_warm = list(range(pad, budget, pad)) if pad else []
+        if self.capture_at_start:
+            self.capture_decode_graphs(eager=not self.config.on_cuda)
 
     @torch.inference_mode()
     def warm_next_size(self) -> None:
@@ -375,17 +396,3 @@ class ModelRunner:
                 self.eplb.before_forward()
 
     # ---- helpers ---------------------------------------------------------------------------
-
-    def _sampling_metadata(self, batch: BatchInputs, rows: list[int]) -> SamplingMetadata:
-        states = [self.states[batch.req_ids[r]] for r in rows]
-        generators = {
-            j: self.generators[s.req_id] for j, s in enumerate(states) if s.req_id in self.generators
-        }
-        return SamplingMetadata.build(
-            [s.sampling_params for s in states],
-            [s.output_token_ids for s in states],
-            self.vocab_size,
-            generators=generators,
-            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
-            eos_token_ids=[s.eos_token_ids for s in states],
-        )

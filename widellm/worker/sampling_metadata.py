@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from widellm.sampling_params import SAMPLING_EPS, SamplingParams
+from widellm.worker.input_batch import CachedRequestState
 
 # Values that make a filter or penalty a no-op for a row that does not use it, so a batch can
 # apply it to every row at once.
@@ -64,6 +65,23 @@ class SamplingMetadata:
     @property
     def no_penalties(self) -> bool:
         return self.presence_penalties is None
+
+    @classmethod
+    def for_requests(cls, states: Sequence[CachedRequestState],
+                     generators: dict[str, torch.Generator], vocab_size: int,
+                     device: torch.device | str = "cpu") -> SamplingMetadata:
+        """The metadata of rows sampling for ``states`` (in row order), with the seeded
+        requests' own generators, its tensors on ``device``."""
+        return cls.build(
+            [s.sampling_params for s in states],
+            [s.output_token_ids for s in states],
+            vocab_size,
+            generators={j: generators[s.req_id] for j, s in enumerate(states)
+                        if s.req_id in generators},
+            prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states],
+            eos_token_ids=[s.eos_token_ids for s in states],
+            device=device,
+        )
 
     @classmethod
     def build(

@@ -111,6 +111,13 @@ class MoEDispatcher(ABC):
                 engine step only).
         """
 
+    def capturable(self, counts: Sequence[int], top_k: int) -> bool:
+        """Whether a forward whose ranks hold ``counts`` rows (``top_k`` experts per token) runs
+        this backend with no host sync and no size exchange, so a CUDA graph can record it and
+        replay it whatever the other ranks run that step. Host arithmetic on agreed values:
+        every rank answers the same."""
+        return False
+
     @abstractmethod
     def dispatch_wait(self, handle: DispatchHandle) -> DispatchedTokens:
         """Finish the dispatch and return the rows for this rank's experts."""
@@ -174,6 +181,9 @@ class LocalDispatcher(MoEDispatcher):
     ``expert_map`` with -1 entries computes only the local experts' share of the output, which
     is what an expert-parallel rank contributes before a reduction.
     """
+
+    def capturable(self, counts: Sequence[int], top_k: int) -> bool:
+        return True
 
     def dispatch_launch(
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

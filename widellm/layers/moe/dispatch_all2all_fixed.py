@@ -14,13 +14,14 @@ Overflow (more than ``capacity`` pairs from one rank for one destination) is nev
   spill round for the pairs that did not fit through a variable-split exchange of one row per
   pair (count exchange, rows' all-to-all; its outputs come back the same way in combine). The spill
   rows follow the fixed ones in the ``DispatchedTokens``.
-- *Static guarantee*: when ``max_tokens_per_rank`` is given and
-  ``capacity >= max_tokens_per_rank * min(top_k, S)``, no destination can get more pairs than
-  fit (a token's k experts are distinct, so at most ``min(k, S)`` of them live on one rank),
-  so the check, its all-reduce and its host sync are skipped: dispatch and combine are one
-  all-to-all each, what a CUDA graph can capture. A batch of more than ``max_tokens_per_rank``
-  tokens raises ValueError, and repeated experts within a token (a broken router) trip a
-  device-side assert instead of being dropped.
+- *Static guarantee*: when ``capacity >= T_max * min(top_k, S)``, with ``T_max`` the most
+  tokens any rank holds in this call (the step's agreed counts, else ``max_tokens_per_rank``),
+  no destination can get more pairs than fit (a token's k experts are distinct, so at most
+  ``min(k, S)`` of them live on one rank), so the check, its all-reduce and its host sync are
+  skipped: dispatch and combine are one all-to-all each, what a CUDA graph can capture (every
+  decode step, with the default capacity). A batch above ``T_max`` raises ValueError, and
+  repeated experts within a token (a broken router) trip a device-side assert instead of
+  being dropped.
 
 The contract shared by all expert-parallel backends is in :mod:`widellm.layers.moe.dispatch_ep`.
 """
@@ -107,24 +108,34 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         self.capacity = capacity
         self.max_tokens_per_rank = max_tokens_per_rank
 
-    def overflow_impossible(self, top_k: int) -> bool:
-        """Whether ``capacity`` covers the worst case for ``top_k``, so the check is skipped.
+    def overflow_impossible(self, top_k: int, counts: Sequence[int] | None = None) -> bool:
+        """Whether ``capacity`` covers the worst case for ``top_k``, so the check is skipped:
+        for any batch up to ``max_tokens_per_rank`` tokens, or for a call whose ranks agreed
+        to hold ``counts`` tokens (a decode step's few rows fit where a prompt step's may not).
 
-        Host arithmetic on constructor arguments and the batch's ``top_k``, identical on every
-        rank, so all ranks make the same choice of collectives.
+        Host arithmetic on constructor arguments, the batch's ``top_k`` and the agreed counts,
+        identical on every rank, so all ranks make the same choice of collectives.
         """
-        if self.max_tokens_per_rank is None:
+        bound = max(counts) if counts else self.max_tokens_per_rank
+        if bound is None:
             return False
-        return self.capacity >= self.max_tokens_per_rank * min(top_k, self.experts_per_rank)
+        return self.capacity >= bound * min(top_k, self.experts_per_rank)
+
+    def capturable(self, counts: Sequence[int], top_k: int) -> bool:
+        """Under the static bound: one all-to-all per direction of fixed shape."""
+        return self.overflow_impossible(top_k, counts)
 
     def dispatch_launch(
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         num_tokens_across_ranks: Sequence[int] | None = None,
     ) -> DispatchHandle:
         num_tokens, top_k = topk_ids.shape
-        static = self.overflow_impossible(top_k)
-        if static and num_tokens > self.max_tokens_per_rank:
-            raise ValueError(f"{num_tokens} tokens > max_tokens_per_rank={self.max_tokens_per_rank}")
+        static = self.overflow_impossible(top_k, num_tokens_across_ranks)
+        bound = (max(num_tokens_across_ranks) if num_tokens_across_ranks
+                 else self.max_tokens_per_rank)
+        if static and num_tokens > bound:
+            raise ValueError(f"{num_tokens} tokens > the {bound} the static capacity bound "
+                             f"assumed")
         ep_size, capacity = self.ep_size, self.capacity
         num_rows = ep_size * capacity
         weights = self.masked_weights(topk_ids, topk_weights)

@@ -58,6 +58,10 @@ class PerStepDispatcher(MoEDispatcher):
         """The backend for a call whose ranks hold ``counts`` rows."""
         return self.fixed if max(counts) <= self.decode_rows else self.variable
 
+    def capturable(self, counts: Sequence[int], top_k: int) -> bool:
+        """Where the ranks' counts choose the fixed-capacity exchange, and it is static."""
+        return self.choose(counts) is self.fixed and self.fixed.capturable(counts, top_k)
+
     def dispatch_launch(
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         num_tokens_across_ranks: Sequence[int] | None = None,
