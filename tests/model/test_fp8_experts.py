@@ -54,10 +54,11 @@ def test_every_moe_layer_keeps_fp8_experts_when_blocks_allow(fp8_folder):
     dropped = {n for n in names if not n.startswith("model.layers.1.mlp.experts.5.up_proj.weight_")}
     assert fp8_expert_layer_names(model, dropped, BLOCK) == _moe_layers(fp8_folder) - {
         "model.layers.1.mlp.experts"}
-    # Up's first row off a block boundary, or EPLB placement: no.
+    # Up's first row off a block boundary: no. EPLB placement: yes (its moves carry the scales,
+    # tests/worker/test_eplb_controller.py).
     assert not fp8_experts_supported(SimpleNamespace(intermediate_size=64, placement=None), BLOCK)
-    assert not fp8_experts_supported(SimpleNamespace(intermediate_size=128, placement=object()),
-                                     BLOCK)
+    assert fp8_experts_supported(SimpleNamespace(intermediate_size=128, placement=object()),
+                                 BLOCK)
 
 
 def test_kept_fp8_experts_generate_exactly_like_dequantized(fp8_folder, monkeypatch):

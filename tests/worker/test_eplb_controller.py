@@ -1,7 +1,8 @@
 """The EPLB controller on real expert-parallel MoE layers (gloo ranks): a skewed load makes
 it re-plan and move weights one layer per step while forwards keep running; every forward's
-output equals all experts computed on one rank; and a move that fails on one rank leaves that
-layer's (and the later layers') old placement in force on every rank."""
+output equals all experts computed on one rank (also with FP8 experts, whose block scales
+move with their weights); and a move that fails on one rank leaves that layer's (and the
+later layers') old placement in force on every rank."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from widellm.eplb.placement import ExpertPlacement
 from widellm.layers.moe import LocalDispatcher, reference_experts_forward
 from widellm.layers.moe.layer import FusedMoE
 from widellm.eplb import collectives
+from widellm.layers.linear_fp8 import dequantize_blocks
+from widellm.layers.moe.experts_fp8 import use_fp8_experts
+from widellm.model.fp8 import quantize_weight_block_fp8
 from widellm.worker.eplb_controller import EplbController
 
 NUM_EXPERTS = 8
@@ -28,15 +32,44 @@ STEPS = 10
 WINDOW, INTERVAL = 2, 4
 TIMEOUT_S = 90.0
 HOT = [4, 5]
+# FP8 experts: one 128 x 128 scale block per projection half (up's rows start a block).
+FP8_BLOCK = (128, 128)
+FP8_HIDDEN = FP8_INTER = 128
 
 
-def _weights(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sizes(fp8: bool) -> tuple[int, int]:
+    return (FP8_HIDDEN, FP8_INTER) if fp8 else (HIDDEN, INTER)
+
+
+def _weights(layer: int, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``; with ``fp8``, the values the FP8 blocks
+    hold (quantized, then dequantized), so the reference computes what the layer does."""
+    hidden, inter = _sizes(fp8)
     g = torch.Generator().manual_seed(100 + layer)
-    return (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=g),
-            torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=g))
+    w13 = torch.randn(NUM_EXPERTS, 2 * inter, hidden, generator=g)
+    w2 = torch.randn(NUM_EXPERTS, hidden, inter, generator=g)
+    if fp8:
+        w13, w2 = (torch.stack([dequantize_blocks(*quantize_weight_block_fp8(w, FP8_BLOCK),
+                                                  FP8_BLOCK) for w in ws]) for ws in (w13, w2))
+    return w13, w2
 
 
-def _reference(x: torch.Tensor, logits: torch.Tensor, layer: FusedMoE, index: int) -> torch.Tensor:
+def _load(moe: FusedMoE, index: int, fp8: bool) -> None:
+    w13, w2 = _weights(index, fp8)
+    inter = _sizes(fp8)[1]
+    for e in range(NUM_EXPERTS):
+        for name, w, shard in (("w13_weight", w13[e, :inter], "w1"),
+                               ("w13_weight", w13[e, inter:], "w3"), ("w2_weight", w2[e], "w2")):
+            if not fp8:
+                moe.weight_loader(name, w, e, shard)
+                continue
+            q, scale = quantize_weight_block_fp8(w, FP8_BLOCK)
+            moe.weight_loader(name, q, e, shard)
+            moe.weight_loader(name + "_scale_inv", scale, e, shard)
+
+
+def _reference(x: torch.Tensor, logits: torch.Tensor, layer: FusedMoE, index: int,
+               fp8: bool = False) -> torch.Tensor:
     """All experts local: the routing of ``layer`` (logical ids) and the plain expert loop."""
     from widellm.layers.moe.router import select_experts
 
@@ -44,23 +77,22 @@ def _reference(x: torch.Tensor, logits: torch.Tensor, layer: FusedMoE, index: in
     local = LocalDispatcher(torch.arange(NUM_EXPERTS))
     handle = local.dispatch_launch(x, ids, weights)
     tokens = local.dispatch_wait(handle)
-    w13, w2 = _weights(index)
+    w13, w2 = _weights(index, fp8)
     out = reference_experts_forward(tokens.hidden_states, tokens.expert_ids, w13, w2)
     return local.combine_wait(local.combine_launch(out, handle))
 
 
-def _run(rank: int, world_size: int, fail_layer: int | None) -> dict:
+def _run(rank: int, world_size: int, fail_layer: int | None, fp8: bool = False) -> dict:
     ep = ExpertParallelContext(rank, world_size, dist.group.WORLD, "all2all", None, 64, 16,
                                num_redundant_experts=REDUNDANT, enable_eplb=True)
+    hidden, inter = _sizes(fp8)
     layers = []
     for i in range(NUM_LAYERS):
-        moe = FusedMoE(NUM_EXPERTS, TOP_K, HIDDEN, INTER, renormalize=True,
+        moe = FusedMoE(NUM_EXPERTS, TOP_K, hidden, inter, renormalize=True,
                        dtype=torch.float32, ep=ep)
-        w13, w2 = _weights(i)
-        for e in range(NUM_EXPERTS):
-            moe.weight_loader("w13_weight", w13[e, :INTER], e, "w1")
-            moe.weight_loader("w13_weight", w13[e, INTER:], e, "w3")
-            moe.weight_loader("w2_weight", w2[e], e, "w2")
+        if fp8:  # kept FP8, computed by dequantizing per call (the CPU's kernel)
+            use_fp8_experts(moe, [""], FP8_BLOCK, kernel="dequant")
+        _load(moe, i, fp8)
         layers.append(moe)
     config = EPLBConfig(enable_eplb=True, num_redundant_experts=REDUNDANT,
                         window_size=WINDOW, step_interval=INTERVAL)
@@ -78,17 +110,18 @@ def _run(rank: int, world_size: int, fail_layer: int | None) -> dict:
     max_err = 0.0
     for _ in range(STEPS):
         controller.before_forward()
-        x = torch.randn(TOKENS, HIDDEN, generator=gen)
+        x = torch.randn(TOKENS, hidden, generator=gen)
         logits = torch.randn(TOKENS, NUM_EXPERTS, generator=gen)
         # Experts 4 and 5 are hot: the initial placement keeps them (and their first
         # replicas) on one rank, at 2 and at 4 ranks.
         logits[:, HOT] += 4.0
         for i, moe in enumerate(layers):
-            got, ref = moe(x, logits), _reference(x, logits, moe, i)
+            got, ref = moe(x, logits), _reference(x, logits, moe, i, fp8)
             # Relative to the output's scale: ranks add their partial sums in another order.
             max_err = max(max_err, float((got - ref).abs().max() / ref.abs().max()))
     return {"max_err": max_err, "stats": controller.stats,
-            "p2l": [m.placement.phys_to_logical.tolist() for m in layers]}
+            "p2l": [m.placement.phys_to_logical.tolist() for m in layers],
+            "dtypes": {str(p.dtype) for m in layers for p in m.expert_parameters()}}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -116,3 +149,14 @@ def test_failed_move_keeps_old_placement_everywhere():
         assert r["p2l"] == results[0]["p2l"]
         assert r["p2l"][1] == initial  # the layer whose move failed never switched
         assert r["p2l"][0] != initial  # the layer moved before the failure did
+
+
+def test_fp8_experts_move_with_their_scales():
+    """FP8 expert weights and their block scales move together: after rebalancing, every
+    forward still equals the experts computed from the dequantized weights on one rank."""
+    results = run_ranks(_run, 2, None, True, timeout_s=TIMEOUT_S)
+    for r in results:
+        assert r["dtypes"] == {"torch.float8_e4m3fn", "torch.float32"}
+        assert r["max_err"] < 1e-5
+        assert r["stats"].num_rebalances >= 1 and r["stats"].num_failed_rebalances == 0
+        assert all(r["p2l"][0].count(e) >= 2 for e in HOT)

@@ -42,7 +42,7 @@ class TorchEplbCollectives:
     switch on every rank or on none).
 
     Args:
-        layers: the rank's MoE layers (``w13_weight``, ``w2_weight``: ``[S, ...]``).
+        layers: the rank's MoE layers (``expert_parameters()``: ``[S, ...]`` each).
         rank: this rank in the EP group.
         group: the EP device group.
         device: where the layers' weights and the agreement flags live.
@@ -57,12 +57,11 @@ class TorchEplbCollectives:
         return load.cpu()
 
     def move_layer(self, index: int, plan: LayerMovePlan | None) -> bool:
-        layer = self.layers[index]
+        params = self.layers[index].expert_parameters()
         prepared = new_weights = None
         if plan is not None:
             try:
-                prepared = prepare_layer_move((layer.w13_weight.data, layer.w2_weight.data),
-                                              plan, self.rank)
+                prepared = prepare_layer_move([p.data for p in params], plan, self.rank)
             except Exception:  # noqa: BLE001 - any failure keeps the old placement
                 logger.exception("EPLB: preparing layer %d failed; keeping its placement",
                                  index)
@@ -74,7 +73,9 @@ class TorchEplbCollectives:
             logger.exception("EPLB: moving layer %d failed; keeping its placement", index)
         if not self._all_agree(new_weights is not None):
             return False
-        layer.w13_weight.data, layer.w2_weight.data = new_weights
+        for param, new in zip(params, new_weights):
+            # In place: a captured CUDA graph reads the weights at their addresses.
+            param.data.copy_(new)
         return True
 
     def _all_agree(self, ok: bool) -> bool:

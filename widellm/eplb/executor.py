@@ -233,7 +233,8 @@ def prepare_layer_move(
         src = _index([s for s, _ in plan.local_copies[rank]], device)
         dst = _index([d for _, d in plan.local_copies[rank]], device)
         for w, out in zip(weights, outs):
-            out.index_copy_(0, dst, w.index_select(0, src))
+            # As bytes: index_copy_ has no float8 kernel on CPU, and bytes are what moves.
+            _slot_bytes(out).index_copy_(0, dst, _slot_bytes(w.contiguous()).index_select(0, src))
     row_bytes = [_slot_bytes(out).shape[1] for out in outs]
     send_buf = recv_buf = None
     if plan.has_remote_traffic:
@@ -290,7 +291,7 @@ def exchange_layer_move(
         src = _index([s for s, _ in plan.dup_copies[rank]], device)
         dst = _index([d for _, d in plan.dup_copies[rank]], device)
         for out in outs:
-            out.index_copy_(0, dst, out.index_select(0, src))
+            _slot_bytes(out).index_copy_(0, dst, _slot_bytes(out).index_select(0, src))
     return outs
 
 

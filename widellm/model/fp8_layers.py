@@ -75,7 +75,7 @@ def fp8_expert_layer_names(model: nn.Module, checkpoint_names: Iterable[str],
                            block_size: tuple[int, int]) -> set[str]:
     """The names of ``model``'s ``FusedMoE`` layers that can hold the checkpoint's FP8 expert
     weights as they are: every expert weight of the layer has its scale, and the layer's
-    shape and placement allow it (:func:`fp8_experts_supported`)."""
+    shape allows it (:func:`fp8_experts_supported`)."""
     names = set(checkpoint_names)
     modules = dict(model.named_modules())
     verdict: dict[str, bool] = {}

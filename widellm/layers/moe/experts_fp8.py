@@ -22,8 +22,7 @@ given :class:`Fp8BlockExperts` before loading holds them stacked like its plain 
   run by :func:`~widellm.layers.moe.experts.experts_forward`; fp32 results equal those of a
   checkpoint dequantized at load, bit for bit.
 
-EPLB moves ``w13_weight`` and ``w2_weight`` between ranks and not yet their scales, so a layer
-with EPLB placement keeps its experts dequantized (``fp8_experts_supported``). The w8a8 path
+EPLB moves the scales between ranks with the weights (``FusedMoE.expert_parameters``). The w8a8 path
 is the contiguous layout only (the sort and the kernels need no host sync, so a decode step can
 be captured in a CUDA graph); the masked layout DeepEP-style fixed-capacity decode fills is the
 kernels' (``grouped_gemm_fp8_masked``) but not wired here yet.
@@ -50,9 +49,8 @@ W2_SCALE = "w2_weight" + SCALE_SUFFIX
 
 def fp8_experts_supported(layer: nn.Module, block_size: tuple[int, int]) -> bool:
     """Whether ``layer`` (a FusedMoE) can hold its experts as FP8: up's rows start on a block
-    boundary, and no EPLB placement (whose moves do not carry the scales yet)."""
-    return (layer.intermediate_size % block_size[0] == 0
-            and getattr(layer, "placement", None) is None)
+    boundary. (EPLB moves the scales with the weights: ``FusedMoE.expert_parameters``.)"""
+    return layer.intermediate_size % block_size[0] == 0
 
 
 def use_fp8_experts(model: nn.Module, names: Iterable[str], block_size: tuple[int, int],
@@ -87,8 +85,7 @@ class Fp8BlockExperts:
         """Replace ``layer``'s expert weights with float8 ones plus their block scales."""
         if not fp8_experts_supported(layer, self.block_size):
             raise ValueError(f"these experts cannot stay FP8 (intermediate size "
-                             f"{layer.intermediate_size}, blocks {self.block_size}, EPLB "
-                             f"{getattr(layer, 'placement', None) is not None})")
+                             f"{layer.intermediate_size}, blocks {self.block_size})")
         bo, bi = self.block_size
         for name in ("w13_weight", "w2_weight"):
             old = getattr(layer, name)

@@ -234,6 +234,14 @@ class FusedMoE(nn.Module):
         """Whether this rank holds ``global_expert_id`` (the loader skips the others)."""
         return bool(self._logical_to_local[global_expert_id])
 
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """What EPLB moves between ranks, each ``[S, ...]`` by local slot: the stacked expert
+        weights and, for FP8 experts, their block scales."""
+        names = ["w13_weight", "w2_weight"]
+        if self.experts_method is not None:
+            names += [n + SCALE_SUFFIX for n in names]
+        return [getattr(self, n) for n in names]
+
     def attach_load_recorder(self, recorder: ExpertLoadRecorder, moe_layer_index: int) -> None:
         """Count the tokens routed to each physical expert into ``recorder``'s row for this
         layer (EPLB)."""
