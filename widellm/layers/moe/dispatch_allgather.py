@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from widellm.distributed.collectives import all_gather_single, reduce_scatter_single
 from widellm.layers.moe.comm_tracking import TrackedWork, track
