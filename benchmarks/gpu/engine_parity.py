@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
+from device_side import engine_side
 
 NEW_TOKENS = 24
 PROMPT_LENS = (3, 7, 12, 20, 28, 36, 47, 60)
@@ -76,12 +76,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    # The CUDA engine is not admitted by default yet; this script is its check.
-    os.environ["WIDELLM_UNVERIFIED_CUDA"] = "1"
-    graphs = {}
-    if args.device == "cpu":
-        os.environ["WIDELLM_TEST_EAGER_GRAPHS"] = "1"
-        graphs = {"cuda_graph_sizes": CPU_GRAPH_SIZES}
+    graphs = engine_side(args.device, CPU_GRAPH_SIZES)
     results, ok = [], True
     for model in EXACT_MODELS:
         ref, ref_info = generate(model, "cpu", "float32")

@@ -31,6 +31,7 @@ import tempfile
 import time
 
 import torch
+from device_side import engine_side
 
 GIB = 1 << 30
 SHARD_BYTES = 2 * GIB
@@ -165,7 +166,7 @@ def main() -> int:
     ap.add_argument("--scale-down", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
-    os.environ["WIDELLM_UNVERIFIED_CUDA"] = "1"
+    engine_side(args.device, "")
     seqs = [int(s) for s in args.seqs.split(",")]
     config = DeepseekV3Config(**{**SLICE_CONFIG, **(SCALED_DOWN if args.scale_down else {})})
     config.architectures = ["DeepseekV3ForCausalLM"]

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
+
+from device_side import engine_side
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_LEN, NEW_TOKENS = 16, 64
@@ -46,11 +47,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    os.environ["WIDELLM_UNVERIFIED_CUDA"] = "1"
-    graph_kwargs = {}
-    if args.device == "cpu":
-        os.environ["WIDELLM_TEST_EAGER_GRAPHS"] = "1"
-        graph_kwargs = {"cuda_graph_sizes": ",".join(map(str, BATCHES))}
+    graph_kwargs = engine_side(args.device, ",".join(map(str, BATCHES)))
     common = dict(dtype=args.dtype, device=args.device, max_num_seqs=max(BATCHES),
                   max_model_len=PROMPT_LEN + NEW_TOKENS + 16)
     engines = {"graphs": LLM(args.model, **common, **graph_kwargs),
