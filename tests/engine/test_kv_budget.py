@@ -9,7 +9,7 @@ import torch
 
 from widellm.engine.arg_utils import EngineArgs
 from widellm.engine.kv_budget import blocks_needed, plan_num_blocks, share_host_memory
-from widellm.worker.model_runner import engine_core_seed
+from widellm.worker.sampler import engine_core_seed
 
 BYTES_PER_BLOCK = 16384  # any value: the plan only divides by it
 GIB = 1 << 30

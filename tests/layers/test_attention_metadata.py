@@ -12,7 +12,7 @@ from widellm.config import SchedulerConfig, default_prefill_pad_multiple
 from widellm.forward_context import set_forward_context
 from widellm.layers.attention import Attention
 from widellm.layers.attention_metadata import (
-    build_attention_metadata, dummy_attention_metadata, pad_attention_metadata,
+    build_attention_metadata, dummy_attention_metadata, metadata_to, pad_attention_metadata,
 )
 
 BLOCK_SIZE = 4
@@ -70,3 +70,22 @@ def test_default_prefill_pad_multiple():
         [16, 16, 16, 32, 64, 128]
     with pytest.raises(ValueError, match="prefill_pad_multiple must be >= 0"):
         SchedulerConfig(prefill_pad_multiple=-1)
+
+
+def test_metadata_moves_every_tensor_to_the_device():
+    """What a GPU engine's eager steps do with the host-built metadata: every tensor moves
+    (the decode slots and mask, the prompt chunks' context slots and masks, the padding mask),
+    values and plain fields unchanged. ("meta" stands in for a GPU.)"""
+    chunk = build_attention_metadata(np.array([1, 2]), np.array([6, 5]),
+                                     np.array([5, 3, 4]), np.array([[3, 1], [0, 2]]), BLOCK_SIZE)
+    md = pad_attention_metadata(chunk, 4)
+    moved = metadata_to(md, "meta")
+    tensors = [f for f in dir(md) if isinstance(getattr(md, f, None), torch.Tensor)]
+    assert sorted(tensors) == ["decode_mask", "decode_slots", "padding_mask", "slot_mapping"]
+    assert all(getattr(moved, f).device.type == "meta" for f in tensors)
+    assert [p.context_slots.device.type for p in moved.prefills] == ["meta"]
+    assert [p.mask.device.type for p in moved.prefills] == ["meta"]
+    assert (moved.num_tokens, moved.num_decodes, moved.num_actual_tokens) == (4, 1, 3)
+    assert md.slot_mapping.device.type == "cpu"  # the host form is left as it was
+    dummy = dummy_attention_metadata(2, "meta")
+    assert dummy.slot_mapping.device.type == dummy.padding_mask.device.type == "meta"

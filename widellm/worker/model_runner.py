@@ -6,7 +6,6 @@ the batch and reports what it sampled.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -45,7 +44,7 @@ from widellm.worker.input_batch import (
 )
 from widellm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from widellm.worker.logprobs_lists import compute_prompt_logprobs, to_lists
-from widellm.worker.sampler import Sampler
+from widellm.worker.sampler import Sampler, engine_core_seed
 from widellm.worker.sampling_metadata import SamplingMetadata
 from widellm.worker.step_buffers import DecodeStepBuffers, DeviceSampledIds
 from widellm.worker.ubatch_split import split_dummy_batch, split_model_input
@@ -57,20 +56,8 @@ TEST_STEP_SLEEP_ENV = "WIDELLM_TEST_STEP_SLEEP_S"
 # Test hook: "1" makes a CPU engine with capture sizes build the graph runner's eager twin at
 # start-up, where a CUDA engine captures its graphs (so multi-process tests run graph steps).
 TEST_EAGER_GRAPHS_ENV = "WIDELLM_TEST_EAGER_GRAPHS"
-# Domain tag of the per-rank seed derivation, so its digests collide with no other use.
-_CORE_SEED_TAG = b"widellm-engine-core-seed"
-# torch.Generator.manual_seed takes a 64-bit value; keep it non-negative.
-_SEED_MASK = (1 << 63) - 1
 # Rows of the forward a rank without work runs in lockstep: one padding token.
 DUMMY_BATCH_ROWS = 1
-
-
-def engine_core_seed(seed: int, dp_rank: int) -> int:
-    """The seed of rank ``dp_rank``'s sampling stream under ``--seed seed``: the first 8 bytes
-    of sha256(tag, seed, rank), as a non-negative int. A hash, not ``seed + rank``, so
-    (seed 0, rank 1) and (seed 1, rank 0) do not share a stream."""
-    digest = hashlib.sha256(b"%s:%d:%d" % (_CORE_SEED_TAG, seed, dp_rank)).digest()
-    return int.from_bytes(digest[:8], "little") & _SEED_MASK
 
 
 class ModelRunner:
@@ -211,7 +198,8 @@ class ModelRunner:
         if streams:
             self.kv_connector.begin_forward(inp.kv_stream_tokens, 2 if split else 1)
         try:
-            if inp.graph_size is not None and not split and (
+            # (A streamed prompt's layers report through forward hooks, which graphs skip.)
+            if inp.graph_size is not None and not split and not streams and (
                     dp_metadata is None
                     or replayable(self.moe_layers, dp_metadata.num_tokens_across_dp)):
                 with maybe_phase(timer, "graph_replay"):

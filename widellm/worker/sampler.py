@@ -12,6 +12,7 @@ The batched functions are written for speed (no loops over rows except seeded ge
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,19 @@ from widellm.worker.sampling_metadata import SamplingMetadata
 TOP_P_CANDIDATES = 1024
 # Width of the slices `row_argmax` takes maxima over.
 ARGMAX_CHUNK = 1024
+
+# Domain tag of the per-rank seed derivation, so its digests collide with no other use.
+_CORE_SEED_TAG = b"widellm-engine-core-seed"
+# torch.Generator.manual_seed takes a 64-bit value; keep it non-negative.
+_SEED_MASK = (1 << 63) - 1
+
+
+def engine_core_seed(seed: int, dp_rank: int) -> int:
+    """The seed of rank ``dp_rank``'s sampling stream under ``--seed seed``: the first 8 bytes
+    of sha256(tag, seed, rank), as a non-negative int. A hash, not ``seed + rank``, so
+    (seed 0, rank 1) and (seed 1, rank 0) do not share a stream."""
+    digest = hashlib.sha256(b"%s:%d:%d" % (_CORE_SEED_TAG, seed, dp_rank)).digest()
+    return int.from_bytes(digest[:8], "little") & _SEED_MASK
 
 
 @dataclass
