@@ -6,7 +6,7 @@ shard starts on a block boundary, so that the shards' scale grids stack into the
 (DeepSeek-V3's intermediate sizes, 18,432 and 2,048, are multiples of 128; a tiny test model's
 64 is not, and its stacked layer is dequantized instead). Routed experts are no ``Linear``:
 :func:`fp8_expert_layer_names` picks the ``FusedMoE`` layers that keep theirs by the same rule
-(up's rows on a block boundary), and none under EPLB (``layers/moe/experts_fp8.py``).
+(up's rows on a block boundary; ``layers/moe/experts_fp8.py``).
 """
 
 from __future__ import annotations

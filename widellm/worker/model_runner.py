@@ -264,8 +264,9 @@ class ModelRunner:
             out = self.sampler(logits, SamplingMetadata.for_requests(
                 [self.states[r] for r in row_ids], self.generators, self.vocab_size,
                 self.config.device))
-            self.prev_sampled = DeviceSampledIds(out.sampled_token_ids,
-                                                 {r: j for j, r in enumerate(row_ids)})
+            if self.graphs is not None:  # only graph steps read them
+                self.prev_sampled = DeviceSampledIds(out.sampled_token_ids,
+                                                     {r: j for j, r in enumerate(row_ids)})
             tokens = out.sampled_token_ids.tolist()
             if self.grammars.matchers:
                 with maybe_phase(self.step_timer, "grammar"):

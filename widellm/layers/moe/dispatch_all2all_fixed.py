@@ -116,10 +116,15 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         Host arithmetic on constructor arguments, the batch's ``top_k`` and the agreed counts,
         identical on every rank, so all ranks make the same choice of collectives.
         """
-        bound = max(counts) if counts else self.max_tokens_per_rank
+        bound = self._token_bound(counts)
         if bound is None:
             return False
         return self.capacity >= bound * min(top_k, self.experts_per_rank)
+
+    def _token_bound(self, counts: Sequence[int] | None) -> int | None:
+        """The most tokens a rank holds in a call: the agreed counts' largest, else the
+        constructor's promise (None: unknown)."""
+        return max(counts) if counts else self.max_tokens_per_rank
 
     def capturable(self, counts: Sequence[int], top_k: int) -> bool:
         """Under the static bound: one all-to-all per direction of fixed shape."""
@@ -131,8 +136,7 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
     ) -> DispatchHandle:
         num_tokens, top_k = topk_ids.shape
         static = self.overflow_impossible(top_k, num_tokens_across_ranks)
-        bound = (max(num_tokens_across_ranks) if num_tokens_across_ranks
-                 else self.max_tokens_per_rank)
+        bound = self._token_bound(num_tokens_across_ranks)
         if static and num_tokens > bound:
             raise ValueError(f"{num_tokens} tokens > the {bound} the static capacity bound "
                              f"assumed")
