@@ -5,8 +5,9 @@ size (8 to 144), with and without EPLB and DBO, and the share of the step the al
 
 The setup is vLLM's wide-EP decode (the simulator's first reproduction): 256 sequences per
 rank, mean context 3,000, FP8 weights, the fixed-capacity (low-latency) all-to-all, CUDA graphs,
-8 GPUs per node. The cost model is the simulator's (``widellm/sim/cost_model.py``, datasheet and
-published-kernel constants: an upper bound, see docs/BENCHMARKS.md).
+8 GPUs per node. The cost model is the simulator's (``widellm/sim/cost_model.py``: datasheet and
+published-kernel constants, one all-to-all factor fitted to DeepSeek's profile; 1.04x SGLang's
+decode and 1.44x vLLM's, see docs/BENCHMARKS.md).
 
 Expert load: no public per-expert routing statistics of DeepSeek-V3 are at hand, so each MoE
 layer's expert popularity is an assumption, Zipf(``--zipf``) over the 256 experts in a random

@@ -113,11 +113,12 @@ def test_dbo_hides_comm_at_large_batch_and_costs_at_tiny_batch():
 
 
 def test_cuda_graphs_cut_launch_overhead_in_decode():
-    # A small model at 4 sequences: the device time is below the eager host launch time.
+    # A small model at 4 sequences on one GPU: the device time is below the eager host launch
+    # time.
     cfg = DEEPSEEK_V3_SMALL
-    loads = decode_loads(cfg, 4, 100, 8)
-    graphs = make_cost_model(cfg, H100, DeploymentShape(num_ranks=8, cuda_graphs=True))
-    eager = make_cost_model(cfg, H100, DeploymentShape(num_ranks=8, cuda_graphs=False))
+    loads = decode_loads(cfg, 4, 100, 1)
+    graphs = make_cost_model(cfg, H100, DeploymentShape(num_ranks=1, cuda_graphs=True))
+    eager = make_cost_model(cfg, H100, DeploymentShape(num_ranks=1, cuda_graphs=False))
     g, e = graphs.step(loads, split=False)[0], eager.step(loads, split=False)[0]
     assert g.breakdown["launch"] < e.breakdown["launch"] and g.total_s < e.total_s
 

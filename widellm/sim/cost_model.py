@@ -36,10 +36,9 @@ busy is ``wait``.
 
 DBO (``split``): each rank runs two micro-batches of half the counts (smaller GEMMs: a lower
 ``eff(M)`` and every weight read twice), and one micro-batch's all-to-all overlaps the
-other's compute: per MoE layer ``max(sum of compute, sum of communication)`` over the two,
-with compute slowed by the SMs normal-mode kernels occupy. With enough rows the hidden
-communication outweighs the halving cost; with few rows (memory-bound GEMMs, latency-bound
-all-to-alls) it does not.
+other's compute, scheduled stage by stage through the MoE layers (``dbo_pipeline.py``: at best
+``max(sum of compute, sum of communication)`` per layer; worse when one micro-batch's chain of
+stages is latency-bound), with compute slowed by the SMs normal-mode kernels occupy.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from widellm.sim import links
+from widellm.sim.dbo_pipeline import two_batch_pipeline
 from widellm.sim.hardware import HardwareProfile
 from widellm.sim.model_shape import DTYPE_BYTES, ModelShape
 from widellm.sim.types import DeploymentShape, RankStepCost, RankStepLoad
@@ -228,8 +228,11 @@ class AnalyticCostModel:
             on_node = min(d.ranks_per_node, d.num_ranks) - 1
             block = self.all2all_fixed_capacity
             intra, inter = on_node * block, (peers - on_node) * block
-        return (links.all_to_all_time(p, intra * d_row, inter * d_row, "dispatch", d.num_ranks),
-                links.all_to_all_time(p, intra * c_row, inter * c_row, "combine", d.num_ranks))
+        f = p.a2a_in_pipeline_factor
+        return (f * links.all_to_all_time(p, intra * d_row, inter * d_row, "dispatch",
+                                          d.num_ranks),
+                f * links.all_to_all_time(p, intra * c_row, inter * c_row, "combine",
+                                          d.num_ranks))
 
     def _copies(self, load: RankStepLoad) -> tuple[float, float]:
         """Routed copies crossing this rank's intra- and inter-node links per MoE layer: the
@@ -294,9 +297,10 @@ class AnalyticCostModel:
 
         n_moe = s.num_moe_layers
         if n_moe and split:
-            compute = max(n_mb * (pre(x) + expert_stage(x)) * slow for x in parts)
-            comm = max(n_mb * (x.dispatch + x.combine) for x in parts)
-            moe_time = n_moe * max(compute, comm)
+            moe_time = two_batch_pipeline(
+                max(pre(x) for x in parts) * slow, max(x.dispatch for x in parts),
+                max(expert_stage(x) for x in parts) * slow, max(x.combine for x in parts),
+                n_moe).total_s
             head = n_mb * max(dense_layers(x) for x in parts)
         elif n_moe:
             moe_time = n_moe * (max(x.dispatch for x in parts) + max(expert_stage(x) for x in parts)
@@ -317,10 +321,11 @@ class AnalyticCostModel:
             launch = max(0.0, kernels * p.launch_eager_s - device)
         host = p.step_overhead_s + p.step_overhead_per_seq_s * max(ld.num_seqs for ld in loads)
         total = device + launch + host
-        return [self._cost(x, n_mb, slow if split else 1.0, total, launch, host) for x in parts]
+        return [self._cost(x, n_mb, slow if split else 1.0, total, launch, host, moe_time)
+                for x in parts]
 
     def _cost(self, x: _Parts, n_mb: int, slow: float, total: float, launch: float,
-              host: float) -> RankStepCost:
+              host: float, moe_time: float) -> RankStepCost:
         s = self.shape
         attention = n_mb * s.num_layers * x.attention
         dense = n_mb * (s.num_layers * x.attn_proj + x.dense_mlp_total
@@ -335,7 +340,8 @@ class AnalyticCostModel:
             compute_moe = n_mb * s.num_moe_layers * (
                 x.attention + x.attn_proj + x.moe_local + x.elem_layer + x.experts
                 + x.elem_moe) * slow
-            exposed = max(0.0, comm - compute_moe)
+            # What the pipeline took beyond this rank's compute waited on communication.
+            exposed = min(comm, max(0.0, moe_time - compute_moe))
         else:
             exposed = comm
         busy = attention + dense + experts + elementwise + exposed + launch + host

@@ -41,6 +41,16 @@ measurements on Hopper (H800 SXM5: the H100's compute and HBM, a cut-down NVLink
   of H800's 132); while they overlap compute (DBO in prefill) the GEMMs get the rest.
   Low-latency kernels occupy no SM while waiting (DeepEP: "hook-based ... without occupying any
   SM resource").
+* All-to-all inside the running pipeline: slower than DeepEP's unit tests. SGLang's kernel
+  breakdown (LMSYS blog, 2025-05-05, "Profile Results") reads ~0.17 ms per decode dispatch in
+  both DeepSeek's profile and its own against 0.06 ms in DeepEP's unit test, and prefill
+  communication slower than the unit tests in both. ``A2A_IN_PIPELINE_FACTOR`` scales the
+  link model's times by one factor fitted to DeepSeek's own published profile (the same blog's
+  table, from github.com/deepseek-ai/profile-data: H800, balanced routing, two micro-batches;
+  decode EP128, 128 requests per GPU at 4,096 KV tokens, 18,598 tok/s per node; prefill EP32,
+  16,384 tokens per GPU of 4,096-token prompts, 62,713 tok/s per node): the geometric mean of
+  the factors that reproduce each phase exactly (1.29 and 1.62). ``tests/sim/test_published.py``
+  re-derives it; the SGLang and vLLM figures it is then checked against are not used.
 * Kernel launch: ~5 us per kernel on the host through the CUDA driver and runtime (pegainfer's
   launch-overhead measurement, 4-6 us); a CUDA graph replays its kernels back to back, ~0.5 us
   apart (NVIDIA, "Getting Started with CUDA Graphs": 3.4 us per 2.9 us kernel in a graph).
@@ -82,6 +92,7 @@ DEEPEP_RDMA_EFF = 1.0
 DEEPEP_LL_DISPATCH_LATENCY_S = 42 * US
 DEEPEP_LL_COMBINE_LATENCY_S = 57 * US
 DEEPEP_NORMAL_SMS = 24
+A2A_IN_PIPELINE_FACTOR = 1.45
 HOPPER_SMS = 132
 # B200: two dies of 74 enabled SMs (as reported for the HGX B200; NVIDIA publishes no SM count
 # in the datasheet). Only the DBO slowdown from communication SMs uses it.
@@ -123,6 +134,9 @@ class HardwareProfile:
         a2a_nvlink_eff, a2a_rdma_eff: fraction of link bandwidth an all-to-all reaches.
         a2a_dispatch_latency_s, a2a_combine_latency_s: fixed cost of one dispatch / combine.
         comm_sms_normal: SMs the normal-mode all-to-all kernels occupy while they run.
+        a2a_in_pipeline_factor: how much longer an all-to-all takes inside a running step
+            than the link model's unit-test figures (1 on CPU, where gloo's exchange is
+            measured between busy ranks; the GPU profiles: ``A2A_IN_PIPELINE_FACTOR``).
         dispatch_fp8: dispatch sends FP8 rows with per-128 scales (DeepEP); else activations.
         launch_eager_s: host cost per kernel (per op on CPU) without graphs.
         launch_graph_s: cost per kernel in a replayed CUDA graph.
@@ -170,6 +184,7 @@ class HardwareProfile:
     a2a_dispatch_latency_s: float = DEEPEP_LL_DISPATCH_LATENCY_S
     a2a_combine_latency_s: float = DEEPEP_LL_COMBINE_LATENCY_S
     comm_sms_normal: int = DEEPEP_NORMAL_SMS
+    a2a_in_pipeline_factor: float = 1.0
     dispatch_fp8: bool = True
     launch_eager_s: float = CUDA_LAUNCH_EAGER_S
     launch_graph_s: float = CUDA_GRAPH_KERNEL_GAP_S
@@ -267,6 +282,7 @@ _HOPPER_LINKS = dict(
 H100 = HardwareProfile(
     name="h100", peak_flops_bf16=989 * TB, peak_flops_fp8=1979 * TB,
     mem_bandwidth=3.35 * TB, memory_bytes=80 * GB, **_HOPPER_LINKS,
+    a2a_in_pipeline_factor=A2A_IN_PIPELINE_FACTOR,
     source="NVIDIA H100 SXM5 datasheet; DeepGEMM/FlashMLA/DeepEP READMEs (H800) for efficiencies",
 )
 H200 = dataclasses.replace(
@@ -285,6 +301,7 @@ B200 = HardwareProfile(
     nvlink_bandwidth=900 * GB, nvlink_latency_s=NVLINK_LATENCY_S,
     internode_bandwidth=50 * GB, internode_latency_s=IB_LATENCY_S, gpus_per_node=8,
     num_sms=B200_SMS, a2a_nvlink_eff=DEEPEP_NVLINK_EFF_SM100,
+    a2a_in_pipeline_factor=A2A_IN_PIPELINE_FACTOR,
     source="NVIDIA DGX B200 datasheet (per GPU = system / 8); DeepEP V2 README (SM100 NVLink)",
 )
 
