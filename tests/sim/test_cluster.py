@@ -98,6 +98,9 @@ def test_exact_times_two_ranks_four_requests(model_dir):
     assert finish == pytest.approx({"r2": ends[1], "r0": ends[2], "r3": ends[3], "r1": ends[4]})
     assert [by_id[r].num_output_tokens for r in ("r0", "r1", "r2", "r3")] == [3, 5, 2, 4]
     assert res.num_gpus == 2 and res.steps[3].num_tokens == (1, 2)
+    # Every step's samples reach the frontend at its end: 4 first tokens, then 4, 3, 2, 1.
+    assert [t for t, _ in res.output_events] == pytest.approx(list(ends))
+    assert [n for _, n in res.output_events] == [4, 4, 3, 2, 1]
 
 
 def test_open_loop_waits_for_arrivals(model_dir):
@@ -205,6 +208,11 @@ def test_disaggregated_prefill_then_decode(model_dir, monkeypatch):
     assert by_id["r1"].first_token_s == pytest.approx(r1_loaded + step)
     assert by_id["r1"].finish_s == pytest.approx(r1_loaded + 2 * step)
     assert [by_id[r].num_output_tokens for r in ("r0", "r1")] == [3, 2]
+    # Output tokens are the decode pool's (the prefill's sample stays inside the proxy).
+    assert [t for t, _ in res.output_events] == pytest.approx(
+        [r0_loaded + step, r0_loaded + 2 * step, r0_loaded + 3 * step, r1_loaded + step,
+         r1_loaded + 2 * step])
+    assert [n for _, n in res.output_events] == [1] * 5
     assert {r.pool_rank for r in res.requests} == {0, 1}  # decode ranks
     prefill = pools[0]
     assert prefill.kind == "prefill"

@@ -30,8 +30,10 @@ def _result() -> SimResult:
             RankStepCost(1.0, {"attention": 0.2, "dispatch": 0.6}),
         ), 0.6),
     ]
+    # Output batches as they reached the frontend (17 tokens: the requests' 11 + 5 + 1).
+    events = [(0.1, 1), (0.6, 4), (0.8, 1), (1.1, 6), (1.2, 1), (1.6, 2), (2.0, 2)]
     return SimResult(requests=requests, steps=steps, num_gpus=2, config={"model": "x"},
-                     sim_wall_s=0.25)
+                     sim_wall_s=0.25, output_events=events)
 
 
 def test_counts_and_throughput():
@@ -75,10 +77,9 @@ def test_balancedness_and_step_breakdown():
 def test_throughput_and_balancedness_over_time():
     series = timeseries(_result(), num_windows=4)
     assert series["edges_s"] == pytest.approx([0, 0.5, 1.0, 1.5, 2.0])
-    # Request 0: 1 token at 0.1, then 10 over (0.1, 1.1]; request 1: 1 at 0.8, then 4 over
-    # (0.8, 2.0]; request 2: 1 at 1.2. Window tokens / 0.5 s / 2 GPUs = tokens.
-    assert series["output_throughput_per_gpu"] == pytest.approx(
-        [5.0, 5 + 1 + 4 * 0.2 / 1.2, 1 + 4 * 0.5 / 1.2 + 1, 4 * 0.5 / 1.2])
+    # Tokens per window (0, 0.5], (0.5, 1.0], (1.0, 1.5], (1.5, 2.0]: 1, 4 + 1, 6 + 1, 2 + 2;
+    # window tokens / 0.5 s / 2 GPUs = tokens.
+    assert series["output_throughput_per_gpu"] == pytest.approx([1.0, 5.0, 7.0, 4.0])
     assert sum(series["output_throughput_per_gpu"]) == pytest.approx(17)
     assert series["balancedness"]["colocated"] == {"mean": [0.8, 0.6, None, None],
                                                    "min": [0.8, 0.6, None, None]}

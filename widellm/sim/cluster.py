@@ -114,7 +114,8 @@ def simulate(config: SimulationConfig, cost_model_factory: CostModelFactory,
                 core.shutdown()
     result = SimResult(requests=[life.record() for life in run.lives.values()],
                        steps=run.steps, num_gpus=config.num_gpus, config=config.to_dict(),
-                       sim_wall_s=time.perf_counter() - wall_start)
+                       sim_wall_s=time.perf_counter() - wall_start,
+                       output_events=run.output_events)
     result.config["eplb_summary"] = {kind: _eplb_summary(pool) for kind, pool in pools.items()}
     return result
 

@@ -81,6 +81,7 @@ class DeploymentRun:
         self.queue = deque(ordered)
         self.lives: dict[str, RequestLife] = {}
         self.steps: list[StepRecord] = []
+        self.output_events: list[tuple[float, int]] = []  # see SimResult.output_events
         self.in_flight = 0
         self.free_at = {kind: 0.0 for kind in pools}
         self.now = 0.0
@@ -177,6 +178,7 @@ class DeploymentRun:
         """A pool's output batches reach the frontend: stamp the requests, tell the pool's
         balancer what finished and each rank's latest stats, hand finished prefills on."""
         now, lives, last, balancer = self.now, self.lives, pool is self.last, pool.balancer
+        produced = 0
         for rank, outs in outputs:
             for out in outs:
                 life = lives[out.request_id]
@@ -192,10 +194,13 @@ class DeploymentRun:
                         life.first_token_s = now
                         life.pool_rank = rank
                     life.num_output_tokens += len(out.new_token_ids)
+                    produced += len(out.new_token_ids)
                 if finished:
                     life.finish_s = now
                     self.in_flight -= 1
             pool.report_stats(rank)
+        if produced:
+            self.output_events.append((now, produced))
 
     def _hand_off(self, life: RequestLife, out: EngineCoreOutput) -> None:
         """What the proxy does with a finished prefill: the same request, with the producer's

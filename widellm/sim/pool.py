@@ -13,7 +13,9 @@ rank hands its samples to its scheduler.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import logging
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -25,6 +27,7 @@ from widellm.distributed.groups import DPGroups
 from widellm.distributed.load_balancer import DPLoadBalancer
 from widellm.distributed.lockstep import decide
 from widellm.engine.engine_core import EngineCore, EngineCoreRequest
+from widellm.engine import kv_budget
 from widellm.engine.kv_budget import blocks_needed
 from widellm.kv_transfer.config import KVTransferConfig
 from widellm.sim.clock import VirtualClock
@@ -102,11 +105,14 @@ class SimPool:
             worker = (lambda config: fabric.worker(
                 kvt, sim.block_size, f"{kind}-{config.parallel_config.data_parallel_rank}"))
         factory = sim_runner_factory(clock, sim.kv_dtype_bytes, worker)
-        self.cores = [
-            EngineCore(pool_engine_config(sim, pool, model_path, hf_config, r, kvt),
-                       DPGroups(r, n, None, None) if n > 1 else None,
-                       runner_factory=factory, clock=clock)
-            for r in range(n)]
+        self.cores = []
+        for r in range(n):
+            # Every rank sizes the same cache: its log line once per pool, not once per rank.
+            with _quiet(kv_budget.logger) if r else contextlib.nullcontext():
+                self.cores.append(EngineCore(
+                    pool_engine_config(sim, pool, model_path, hf_config, r, kvt),
+                    DPGroups(r, n, None, None) if n > 1 else None,
+                    runner_factory=factory, clock=clock))
         self.runners = [c.model_runner for c in self.cores]
         num_blocks = min(r.num_blocks for r in self.runners)
         # The frontend tracks as many prefix blocks per rank as the smallest pool holds.
@@ -232,3 +238,14 @@ class SimPool:
         the balancer's estimate."""
         sched = self.cores[rank].scheduler
         self.balancer.update_stats(rank, len(sched.waiting), len(sched.running))
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger) -> Iterator[None]:
+    """``logger`` says only warnings and errors inside the block."""
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

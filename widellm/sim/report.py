@@ -108,33 +108,28 @@ def _breakdown(steps: list[StepRecord]) -> dict[str, Any]:
     }
 
 
-def _cumulative_output_tokens(done: list[RequestRecord], times: np.ndarray) -> np.ndarray:
-    """Output tokens produced by each of ``times``: one at the first token, the others
-    spread evenly over (first token, finish]."""
-    first = np.array([r.first_token_s if r.first_token_s is not None else r.finish_s
-                      for r in done])
-    finish = np.array([r.finish_s for r in done])
-    rest = np.array([max(r.num_output_tokens - 1, 0) for r in done], dtype=np.float64)
-    has_first = np.array([r.num_output_tokens > 0 for r in done], dtype=np.float64)
-    t = times[:, None]
-    span = np.maximum(finish - first, np.finfo(np.float64).tiny)
-    spread = np.clip((t - first) / span, 0.0, 1.0)
-    # A request whose tokens all came at once (span 0) has them at its finish.
-    spread = np.where(finish > first, spread, (t >= finish).astype(np.float64))
-    return ((t >= first) * has_first + spread * rest).sum(axis=1)
+def _cumulative_output_tokens(events: list[tuple[float, int]], times: np.ndarray) -> np.ndarray:
+    """Output tokens that had reached the frontend by each of ``times`` (``events``: the
+    run's (time, tokens) output batches, in time order)."""
+    if not events:
+        return np.zeros(len(times))
+    at = np.array([t for t, _ in events])
+    total = np.cumsum([n for _, n in events], dtype=np.float64)
+    idx = np.searchsorted(at, times, side="right")
+    return np.where(idx > 0, total[np.maximum(idx - 1, 0)], 0.0)
 
 
 def timeseries(result: SimResult, num_windows: int = NUM_WINDOWS) -> dict[str, Any]:
-    """Window edges (seconds from the first arrival) and per window: output tokens/s per GPU,
-    and each pool's mean and min step balancedness (None: no step started in it)."""
+    """Window edges (seconds from the first arrival) and per window: output tokens/s per GPU
+    (every token that reached the frontend in the window, finished request or not), and each
+    pool's mean and min step balancedness (None: no step started in it)."""
     start, end = _span(result)
     done = _finished(result)
     if not done or end <= start:
         return {"window_s": 0.0, "edges_s": [], "output_throughput_per_gpu": [],
                 "balancedness": {}}
     edges = np.linspace(start, end, num_windows + 1)
-    produced = _cumulative_output_tokens(done, edges)
-    produced[0] = 0.0  # no token precedes the first arrival
+    produced = _cumulative_output_tokens(result.output_events, edges)
     width = (end - start) / num_windows
     throughput = np.diff(produced) / width / max(result.num_gpus, 1)
     balance = {}

@@ -149,3 +149,6 @@ class SimResult:
     num_gpus: int
     config: dict
     sim_wall_s: float = 0.0
+    # (virtual time, output tokens that reached the frontend then), in time order: one entry
+    # per output batch of the last pool.
+    output_events: list[tuple[float, int]] = field(default_factory=list)
