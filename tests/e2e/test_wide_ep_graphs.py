@@ -3,7 +3,8 @@ runner's eager twin at start-up (``WIDELLM_TEST_EAGER_GRAPHS``, where a CUDA eng
 its graphs) and replays decode steps through the persistent step buffers, each rank at its own
 capture size while the others replay theirs, run a prompt step or a dummy batch, all through
 the same fixed-capacity exchange. Greedy outputs equal one rank's, token for token, with
-uneven load, async scheduling and EPLB moving experts mid-generation; a backend whose
+uneven load, async scheduling (sampled ids reaching the host behind the next step, as on a
+GPU) and EPLB moving experts mid-generation; a backend whose
 exchange a graph cannot record runs every step eagerly."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.e2e.test_eplb import (
 from tests.e2e.test_wide_ep import PLACEMENT
 from widellm import LLM, SamplingParams
 from widellm.step_timer import summarize
-from widellm.worker.model_runner import TEST_EAGER_GRAPHS_ENV
+from widellm.worker.model_runner import TEST_DEFER_SAMPLED_IDS_ENV, TEST_EAGER_GRAPHS_ENV
 
 GRAPH_SIZES = "1,2,4,8"
 EPLB = dict(enable_eplb=True, eplb_num_redundant_experts=REDUNDANT, eplb_window_size=WINDOW,
@@ -47,6 +48,8 @@ def test_graph_steps_under_expert_parallelism_equal_one_rank(skewed, monkeypatch
                                                              extra):
     path, expected = skewed  # one rank, no graphs
     monkeypatch.setenv(TEST_EAGER_GRAPHS_ENV, "1")
+    if extra.get("async_scheduling"):  # as a CUDA engine with async scheduling does
+        monkeypatch.setenv(TEST_DEFER_SAMPLED_IDS_ENV, "1")
     got, replays, rebalances = _generate(
         path, data_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend,
         cuda_graph_sizes=GRAPH_SIZES, collect_step_breakdown=True, **extra)

@@ -13,7 +13,8 @@ from widellm import LLM, SamplingParams
 from widellm.ops.cpu_kernels import load_cpu_kernels
 from widellm.worker.graph_runner import EagerGraphRunner, make_graph_runner
 from widellm.worker.input_batch import BatchInputs
-from widellm.worker.step_buffers import DecodeStepBuffers, DeviceSampledIds
+from widellm.worker.sampled_ids import DeviceSampledIds
+from widellm.worker.step_buffers import DecodeStepBuffers
 
 BLOCK = 4
 

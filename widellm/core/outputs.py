@@ -4,6 +4,7 @@ the frontend. Plain lists, no tensors: these cross process boundaries (msgspec-e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgspec
 
@@ -39,6 +40,20 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Requests whose structured output is complete after this step's token.
     grammar_terminated: set[str] = field(default_factory=set)
+    # Sampled ids still on their way to the host (worker/sampled_ids.py): ``pending()`` waits
+    # for them; row ``r`` of ``sampled_token_ids`` is ``[pending()[j]]`` for each
+    # ``(r, j)`` of ``pending_rows``. ``resolve`` fills them in.
+    pending: Callable[[], list[int]] | None = None
+    pending_rows: list[tuple[int, int]] = field(default_factory=list)
+
+    def resolve(self) -> "ModelRunnerOutput":
+        """Fill in the pending sampled ids (once; a no-op without any)."""
+        if self.pending is not None:
+            tokens = self.pending()
+            for row, j in self.pending_rows:
+                self.sampled_token_ids[row] = [tokens[j]]
+            self.pending = None
+        return self
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

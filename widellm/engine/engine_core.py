@@ -240,7 +240,7 @@ class EngineCore:
 
     def _update_from_output(self, so: SchedulerOutput,
                             runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs = self.scheduler.update_from_output(so, runner_output)
+        outputs = self.scheduler.update_from_output(so, runner_output.resolve())
         self._start_kv_transfers()
         return outputs
 

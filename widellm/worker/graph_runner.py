@@ -148,3 +148,28 @@ def capturable_sizes(sizes: tuple[int, ...], moe_layers: list[nn.Module],
     if ep_size is None:
         return sizes
     return tuple(s for s in sizes if replayable(moe_layers, (s,) * ep_size))
+
+
+def build_decode_graphs(model: nn.Module, sizes: tuple[int, ...], moe_layers: list[nn.Module],
+                        ep_size: int | None, max_blocks: int, block_size: int,
+                        device: str | torch.device, in_place_decode: bool,
+                        eager: bool = False) -> GraphRunner | None:
+    """A graph per capture size for decode-only steps, captured (None: no size can be).
+
+    On a CUDA device this records CUDA graphs; ``eager`` (or a CPU device) builds the reference
+    twin that runs the same buffers eagerly, which is how the tests check them. Under expert
+    parallelism only the sizes whose MoE exchanges a graph can record (:func:`capturable_sizes`);
+    every rank captures the same sizes in the same order, so the capture runs' collectives line
+    up. ``max_blocks``: the block-table width (``cdiv(max_model_len, block_size)``);
+    ``in_place_decode``: the attention backend reads the paged cache in place, which graph
+    steps need (their shapes must not depend on the contexts)."""
+    sizes = capturable_sizes(sizes, moe_layers, ep_size)
+    if not sizes:
+        logger.info("Decode steps run eagerly: this all-to-all backend cannot be captured")
+        return None
+    if not in_place_decode:
+        raise ValueError("decode graphs need decode attention that reads the cache in place")
+    buffers = DecodeStepBuffers(max(sizes), max_blocks, block_size, device)
+    runner = make_graph_runner(model, buffers, sizes, ep_size, eager)
+    runner.capture()
+    return runner

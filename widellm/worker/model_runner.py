@@ -37,7 +37,7 @@ from widellm.worker.dbo_runner import DualBatchRunner
 from widellm.worker.eplb_controller import EplbController
 from widellm.worker.graph_buckets import bucket_for
 from widellm.worker.graph_runner import (
-    GraphRunner, capturable_sizes, make_graph_runner, replayable,
+    GraphRunner, build_decode_graphs, replayable,
 )
 from widellm.worker.input_batch import (
     BatchInputs, CachedRequestState, ModelInput, apply_scheduler_output, build_batch_inputs,
@@ -46,7 +46,7 @@ from widellm.worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from widellm.worker.logprobs_lists import compute_prompt_logprobs, to_lists
 from widellm.worker.sampler import Sampler, engine_core_seed
 from widellm.worker.sampling_metadata import SamplingMetadata
-from widellm.worker.step_buffers import DecodeStepBuffers, DeviceSampledIds
+from widellm.worker.sampled_ids import DeviceSampledIds, SampledIdsHandoff
 from widellm.worker.ubatch_split import split_dummy_batch, split_model_input
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ TEST_STEP_SLEEP_ENV = "WIDELLM_TEST_STEP_SLEEP_S"
 # Test hook: "1" makes a CPU engine with capture sizes build the graph runner's eager twin at
 # start-up, where a CUDA engine captures its graphs (so multi-process tests run graph steps).
 TEST_EAGER_GRAPHS_ENV = "WIDELLM_TEST_EAGER_GRAPHS"
+# Test hook: "1" defers the host copy of sampled ids on a CPU engine (see sampled_ids.py).
+TEST_DEFER_SAMPLED_IDS_ENV = "WIDELLM_TEST_DEFER_SAMPLED_IDS"
 # Rows of the forward a rank without work runs in lockstep: one padding token.
 DUMMY_BATCH_ROWS = 1
 
@@ -93,6 +95,10 @@ class ModelRunner:
         # sampled ids left on the device for them.
         self.graphs: GraphRunner | None = None
         self.prev_sampled: DeviceSampledIds | None = None
+        # Async scheduling on a GPU: sampled ids reach the host behind the next step's launch.
+        self.handoff = SampledIdsHandoff(
+            (config.on_cuda and config.scheduler_config.async_scheduling)
+            or os.environ.get(TEST_DEFER_SAMPLED_IDS_ENV) == "1")
         self.kv_caches: list[torch.Tensor] = []
         # Decode attention reads the paged cache in place where the CPU kernel is available and
         # every attention layer prefers it; otherwise it gathers each context and runs torch
@@ -178,9 +184,12 @@ class ModelRunner:
         # A captured size replays its graph on the step buffers when the ranks' agreement
         # allows (run_model_input); the padded host form above is its eager fallback.
         graph = self.graphs is not None and not md.prefills and num_padded in self.graphs.sizes
-        if self.config.on_cuda:  # the eager forward's inputs, on the GPU
-            md, input_ids, positions = (metadata_to(md, self.config.device),
-                                        input_ids.cuda(), positions.cuda())
+        if self.config.on_cuda:  # the eager forward's inputs, on the GPU (no stream wait)
+            dev = self.config.device
+            md, input_ids, positions = (metadata_to(md, dev),
+                                        input_ids.to(dev, non_blocking=True),
+                                        positions.to(dev, non_blocking=True))
+        input_ids = self.handoff.feed(batch, input_ids, self.states)
         return ModelInput(batch, md, input_ids, positions, so.kv_stream_tokens,
                           num_padded if graph else None)
 
@@ -226,36 +235,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_decode_graphs(self, eager: bool = False) -> None:
-        """Capture a graph per capture size for decode-only steps (after the KV cache is bound:
-        graphs record its addresses). On a CUDA engine this records CUDA graphs; ``eager`` (or
-        a CPU engine) builds the reference twin that runs the same buffers eagerly, which is how
-        the tests check them. Under expert parallelism only the sizes whose MoE exchanges a
-        graph can record (``capturable_sizes``); every rank captures the same sizes in the
-        same order, so the capture runs' collectives line up."""
+        """Capture the decode graphs (after the KV cache is bound: graphs record its
+        addresses); ``eager`` (or a CPU engine) builds the reference twin. See
+        :func:`build_decode_graphs`."""
         if not self.graph_sizes:
             raise ValueError("decode graphs need capture sizes (--cuda-graph-sizes)")
-        sizes = capturable_sizes(self.graph_sizes, self.moe_layers, self.ep_size)
-        if not sizes:
-            logger.info("Decode steps run eagerly: this all-to-all backend cannot be captured")
-            return
         # Graph steps decode in place whatever the layers prefer (the shapes must not depend
         # on the contexts): the backend must be able to.
-        if not (self.attention_backend.in_place_decode or load_cpu_kernels() is not None):
-            raise ValueError("decode graphs need decode attention that reads the cache in place")
-        max_blocks = -(-self.config.model_config.max_model_len // self.block_size)
-        buffers = DecodeStepBuffers(max(sizes), max_blocks, self.block_size, self.config.device)
-        self.graphs = make_graph_runner(self.model, buffers, sizes, self.ep_size, eager)
-        self.graphs.capture()
+        in_place = self.attention_backend.in_place_decode or load_cpu_kernels() is not None
+        self.graphs = build_decode_graphs(
+            self.model, self.graph_sizes, self.moe_layers, self.ep_size,
+            -(-self.config.model_config.max_model_len // self.block_size), self.block_size,
+            self.config.device, in_place, eager)
 
     def _sample(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
+        self.handoff.settle()  # the last step's ids: copied long ago, the host reads them now
         self.prev_sampled = None
+        pending: list[tuple[int, int]] = []  # (row, index in the deferred ids)
         query_end = np.cumsum(batch.query_lens)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         terminated: set[str] = set()
         logprobs: list[LogprobsLists | None] = [None] * len(batch.req_ids)
         if batch.sample_rows:
             rows = batch.sample_rows
-            logits = self.model.compute_logits(hidden[torch.from_numpy(query_end[rows] - 1)])
+            last = torch.from_numpy(query_end[rows] - 1).to(hidden.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[last])
             row_ids = [batch.req_ids[r] for r in rows]
             if self.grammars.matchers:
                 logits = logits.to(torch.float32)
@@ -264,20 +268,26 @@ class ModelRunner:
             out = self.sampler(logits, SamplingMetadata.for_requests(
                 [self.states[r] for r in row_ids], self.generators, self.vocab_size,
                 self.config.device))
-            if self.graphs is not None:  # only graph steps read them
+            defer = (self.handoff.enabled and not self.grammars.matchers
+                     and out.logprobs is None)
+            if self.graphs is not None or defer:  # only graph steps and deferral read them
                 self.prev_sampled = DeviceSampledIds(out.sampled_token_ids,
                                                      {r: j for j, r in enumerate(row_ids)})
-            tokens = out.sampled_token_ids.tolist()
-            if self.grammars.matchers:
-                with maybe_phase(self.step_timer, "grammar"):
-                    terminated = self.grammars.accept(row_ids, tokens)
-            for j, row in enumerate(rows):
-                state = self.states[batch.req_ids[row]]
-                state.token_ids.append(tokens[j])
-                sampled[row] = [tokens[j]]
-                n = state.sampling_params.logprobs
-                if out.logprobs is not None and n is not None:
-                    logprobs[row] = to_lists(out.logprobs, j, j + 1, n)
+            if defer:  # the host learns the ids behind the next step's launch
+                self.handoff.defer(self.prev_sampled, self.states, row_ids)
+                pending = [(row, j) for j, row in enumerate(rows)]
+            else:
+                tokens = out.sampled_token_ids.tolist()
+                if self.grammars.matchers:
+                    with maybe_phase(self.step_timer, "grammar"):
+                        terminated = self.grammars.accept(row_ids, tokens)
+                for j, row in enumerate(rows):
+                    state = self.states[batch.req_ids[row]]
+                    state.token_ids.append(tokens[j])
+                    sampled[row] = [tokens[j]]
+                    n = state.sampling_params.logprobs
+                    if out.logprobs is not None and n is not None:
+                        logprobs[row] = to_lists(out.logprobs, j, j + 1, n)
 
         prompt_logprobs = compute_prompt_logprobs(self.model, self.states, batch, hidden,
                                                   query_end)
@@ -288,6 +298,8 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             grammar_terminated=terminated,
+            pending=self.handoff.pending.host_tokens if pending else None,
+            pending_rows=pending,
         )
 
     @torch.inference_mode()
@@ -383,5 +395,3 @@ class ModelRunner:
         if self.eplb is not None:
             with maybe_phase(self.step_timer, "eplb"):
                 self.eplb.before_forward()
-
-    # ---- helpers ---------------------------------------------------------------------------

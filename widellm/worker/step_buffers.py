@@ -18,31 +18,17 @@ that the tests compare against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from widellm.layers.attention_metadata import AttentionMetadata
 from widellm.worker.input_batch import BatchInputs
+from widellm.worker.sampled_ids import DeviceSampledIds
 
 # The token and position of a padding row (any valid values; its output is never read).
 PAD_TOKEN_ID = 0
 PAD_POSITION = 0
 # Context length of a padding row: attention reads nothing and writes zeros.
 PAD_SEQ_LEN = 0
-
-
-@dataclass
-class DeviceSampledIds:
-    """The previous step's sampled token ids, left on the device.
-
-    Attributes:
-        token_ids: ``[num_sampled]`` int64 on the engine's device, in sampling order.
-        index_of: request id -> its position in ``token_ids``.
-    """
-
-    token_ids: torch.Tensor
-    index_of: dict[str, int] = field(default_factory=dict)
 
 
 class DecodeStepBuffers:
