@@ -118,3 +118,39 @@ def test_deferred_ids_feed_graph_steps(model_dir, monkeypatch):
     immediate, _, _ = _run(path, monkeypatch, defer=False, graphs=True)
     deferred, _, steps = _run(path, monkeypatch, defer=True, graphs=True)
     assert len(steps) > 10 and deferred == immediate
+
+
+def _sample_step_host_reads(path: str, monkeypatch, defer: bool) -> list[str]:
+    """Host reads of tensors inside the runner's sample steps (greedy requests)."""
+    from tests.worker.test_decode_graph_capturable import HostSyncRecorder
+
+    monkeypatch.setenv(TEST_DEFER_SAMPLED_IDS_ENV, "1" if defer else "0")
+    with LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256,
+             async_scheduling=True) as llm:
+        runner = llm.llm_engine.engine_core.model_runner
+        real, found = runner._sample, []
+
+        def recorded(batch, hidden):
+            with HostSyncRecorder() as rec:
+                out = real(batch, hidden)
+            found.extend(rec.found)
+            return out
+
+        runner._sample = recorded
+        llm.generate([[5, 6, 7, 8], [9, 10, 11]],
+                     SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                     use_tqdm=False)
+    return found
+
+
+def test_a_deferred_sample_step_reads_only_the_previous_steps_copy(model_dir, monkeypatch):
+    """What would make a GPU step wait for its own forward: a read of this step's sampled
+    ids. With deferral the only host reads are of the previous step's copy (settled after
+    this step's forward was queued); without it, the step reads its own ids (the check's
+    control)."""
+    path = model_dir("DeepseekV3ForCausalLM")
+    deferred = _sample_step_host_reads(path, monkeypatch, defer=True)
+    # (Empty when the engine core's thread happened to read each copy first.)
+    assert all("sampled_ids.py" in f for f in deferred), deferred
+    immediate = _sample_step_host_reads(path, monkeypatch, defer=False)
+    assert any("model_runner.py" in f and f.startswith("tolist") for f in immediate), immediate
