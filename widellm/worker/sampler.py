@@ -230,7 +230,8 @@ def _output_ids_tensor(
     """[B, max_len] int64, padded and with out-of-vocab ids (placeholders) set to vocab_size."""
     width = max((len(ids) for ids in output_token_ids), default=0)
     padded = [ids + [vocab_size] * (width - len(ids)) for ids in output_token_ids]
-    ids = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width)
+    ids = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
+    ids = ids.reshape(len(padded), width)
     return ids.masked_fill_((ids < 0) | (ids >= vocab_size), vocab_size)
 
 
