@@ -135,3 +135,16 @@ def test_a_complete_grammar_ends_the_request_whatever_min_tokens_and_ignore_eos_
         assert out.outputs[0].finish_reason == "stop"
         assert ids[-1] in eos and len(ids) < 40
         assert decode(ids[:-1]) in CHOICES
+
+
+def test_deferred_sampled_ids_around_constrained_requests(model_dir, one_rank, monkeypatch):
+    """Sampled ids reaching the host behind the next step (as on a GPU with async scheduling):
+    steps with a grammar resolve theirs at once, the others defer, and the tokens are the
+    immediate engine's."""
+    from widellm.worker.model_runner import TEST_DEFER_SAMPLED_IDS_ENV
+
+    monkeypatch.setenv(TEST_DEFER_SAMPLED_IDS_ENV, "1")
+    plain, structured, again, _ = _run(model_dir(ARCH), True, async_scheduling=True)
+    immediate_plain, immediate_structured, immediate_again, _ = one_rank[True][1]
+    assert plain == immediate_plain
+    assert structured == immediate_structured and again == immediate_again
