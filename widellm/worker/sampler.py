@@ -137,7 +137,7 @@ class Sampler(nn.Module):
         if not md.all_random:
             temperature = temperature.masked_fill(is_greedy, 1.0)
         logits.div_(temperature.unsqueeze(1))
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, md.max_top_k or None)
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         random_ids = random_sample(logits.softmax(dim=-1), md.generators, self.generator)
@@ -236,41 +236,53 @@ def _output_ids_tensor(
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
-    """Mask (in place, with -inf) tokens outside top-k, then outside top-p. logits: [B, V]."""
+    """Mask (in place, with -inf) tokens outside top-k, then outside top-p. logits: [B, V];
+    ``max_top_k``: the largest limited k when the caller knows it (else read from top_k)."""
     if top_k is not None:
-        logits = apply_top_k(logits, top_k)
+        logits = apply_top_k(logits, top_k, max_top_k)
     if top_p is not None:
         logits = apply_top_p(logits, top_p)
     return logits
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor,
+                max_k: int | None = None) -> torch.Tensor:
     """Keep (in place) every token whose logit is >= the row's k-th largest, so ties at the
-    boundary are all kept. logits: [B, V]; top_k: [B] in [1, V], V meaning no limit."""
+    boundary are all kept. logits: [B, V]; top_k: [B] in [1, V], V meaning no limit;
+    ``max_k``: the largest limit below V, if known on the host (reading it from ``top_k``
+    waits for the device)."""
     vocab_size = logits.shape[-1]
     limited = top_k < vocab_size
     # A partial top-k up to the largest real limit finds every threshold; rows without a
     # limit would otherwise force a full sort.
-    max_k = int(top_k.masked_fill(~limited, 1).max())
+    if max_k is None:
+        max_k = int(top_k.masked_fill(~limited, 1).max())
     top_values = logits.topk(max_k, dim=-1).values
     kth_largest = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
     kth_largest.masked_fill_(~limited.unsqueeze(1), float("-inf"))
     return logits.masked_fill_(logits < kth_largest, float("-inf"))
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor,
+                num_candidates: int | None = None) -> torch.Tensor:
     """Keep (in place) the smallest most-likely-first set of tokens whose probability reaches
     top_p: a token is dropped once the tokens before it already sum to top_p. Which of several
     exactly tied tokens at the boundary survives is unspecified. logits: [B, V]; top_p: [B]
     in (0, 1], 1 meaning no limit.
+
+    On a CPU the kept set is almost always far smaller than the vocabulary, so the most likely
+    ``num_candidates`` (``TOP_P_CANDIDATES``) go first and only rows whose set does not fit
+    are fully sorted; finding those rows reads the device, so on a GPU every row is fully
+    sorted at once (``num_candidates`` = V: the same result, no wait for the device).
     """
     vocab_size = logits.shape[-1]
     probs = logits.softmax(dim=-1)
-    # The kept set is almost always far smaller than the vocabulary, so look at the most
-    # likely candidates first and fully sort only rows whose set does not fit in them.
-    num_candidates = min(vocab_size, TOP_P_CANDIDATES)
+    if num_candidates is None:
+        num_candidates = vocab_size if logits.is_cuda else TOP_P_CANDIDATES
+    num_candidates = min(vocab_size, num_candidates)
     candidate_probs, candidate_ids = probs.topk(num_candidates, dim=-1)
     keep_candidates, resolved = _top_p_keep_sorted(candidate_probs, top_p)
     keep = torch.zeros_like(logits, dtype=torch.bool)

@@ -29,6 +29,8 @@ class SamplingMetadata:
     temperature: [B] fp32; 0 for greedy rows.
     all_greedy / all_random: every row is greedy / no row is.
     top_k: [B] int64 in [1, vocab_size]; vocab_size for rows without top-k.
+    max_top_k: the largest limit of a row with top-k (known on the host, so the sampler
+        need not read ``top_k`` back from the device); 0 without top-k.
     top_p: [B] fp32; 1.0 for rows without top-p.
     min_p: [B] fp32; 0.0 for rows without min-p.
     generators: row -> that request's own generator, for seeded rows.
@@ -60,6 +62,7 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None
     stop_token_ids_to_mask: dict[int, list[int]]
     max_num_logprobs: int | None
+    max_top_k: int = 0
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -163,6 +166,7 @@ class SamplingMetadata:
                 params_list, output_token_ids, eos_token_ids, vocab_size
             ),
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+            max_top_k=max((k for k in top_ks if k < vocab_size), default=0),
             logit_bias=_logit_bias(params_list, device),
         )
 
