@@ -46,8 +46,9 @@ measurements on Hopper (H800 SXM5: the H100's compute and HBM, a cut-down NVLink
   both DeepSeek's profile and its own against 0.06 ms in DeepEP's unit test, and prefill
   communication slower than the unit tests in both. ``A2A_IN_PIPELINE_FACTOR`` scales the
   link model's all-to-all (dispatch and combine; not the allgather backend's NCCL
-  collectives, which nothing here measured) by one factor fitted to DeepSeek's own published profile (the same blog's
-  table, from github.com/deepseek-ai/profile-data: H800, balanced routing, two micro-batches;
+  collectives, which nothing here measured) by one factor fitted to DeepSeek's own published
+  profile (the same blog's table, from github.com/deepseek-ai/profile-data: H800, balanced
+  routing, two micro-batches;
   decode EP128, 128 requests per GPU at 4,096 KV tokens, 18,598 tok/s per node; prefill EP32,
   16,384 tokens per GPU of 4,096-token prompts, 62,713 tok/s per node): the geometric mean of
   the factors that reproduce each phase exactly (1.29 and 1.62). ``tests/sim/test_published.py``

@@ -27,8 +27,8 @@ from widellm.distributed.groups import DPGroups
 from widellm.distributed.load_balancer import DPLoadBalancer
 from widellm.distributed.lockstep import decide
 from widellm.engine.engine_core import EngineCore, EngineCoreRequest
-from widellm.engine import kv_budget
 from widellm.engine.kv_budget import blocks_needed
+from widellm.engine.kv_budget import logger as kv_budget_logger
 from widellm.kv_transfer.config import KVTransferConfig
 from widellm.sim.clock import VirtualClock
 from widellm.sim.config import PoolConfig, SimulationConfig
@@ -108,7 +108,7 @@ class SimPool:
         self.cores = []
         for r in range(n):
             # Every rank sizes the same cache: its log line once per pool, not once per rank.
-            with _quiet(kv_budget.logger) if r else contextlib.nullcontext():
+            with _quiet(kv_budget_logger) if r else contextlib.nullcontext():
                 self.cores.append(EngineCore(
                     pool_engine_config(sim, pool, model_path, hf_config, r, kvt),
                     DPGroups(r, n, None, None) if n > 1 else None,

@@ -91,10 +91,8 @@ class ModelRunner:
         self.graph_sizes = config.scheduler_config.cudagraph_capture_sizes
         self.capture_at_start = bool(self.graph_sizes) and (
             config.on_cuda or os.environ.get(TEST_EAGER_GRAPHS_ENV) == "1")
-        # Decode steps replayed as graphs (capture_decode_graphs), and the previous step's
-        # sampled ids left on the device for them.
+        # Decode steps replayed as graphs (capture_decode_graphs).
         self.graphs: GraphRunner | None = None
-        self.prev_sampled: DeviceSampledIds | None = None
         # Async scheduling on a GPU: sampled ids reach the host behind the next step's launch.
         self.handoff = SampledIdsHandoff(
             (config.on_cuda and config.scheduler_config.async_scheduling)
@@ -230,7 +228,9 @@ class ModelRunner:
 
     def _replay(self, inp: ModelInput) -> torch.Tensor:
         slots = inp.attn_metadata.slot_mapping[:len(inp.batch.req_ids)]
-        md = self.graphs.buffers.load(inp.batch, slots, inp.graph_size, self.prev_sampled)
+        # Deferred ids are on the device only: the buffers take them from there (the host's
+        # batch holds placeholders for them).
+        md = self.graphs.buffers.load(inp.batch, slots, inp.graph_size, self.handoff.pending)
         return self.graphs.run(md)
 
     @torch.inference_mode()
@@ -250,7 +250,6 @@ class ModelRunner:
 
     def _sample(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         self.handoff.settle()  # the last step's ids: copied long ago, the host reads them now
-        self.prev_sampled = None
         pending: list[tuple[int, int]] = []  # (row, index in the deferred ids)
         query_end = np.cumsum(batch.query_lens)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
@@ -270,11 +269,10 @@ class ModelRunner:
                 self.config.device))
             defer = (self.handoff.enabled and not self.grammars.matchers
                      and out.logprobs is None)
-            if self.graphs is not None or defer:  # only graph steps and deferral read them
-                self.prev_sampled = DeviceSampledIds(out.sampled_token_ids,
-                                                     {r: j for j, r in enumerate(row_ids)})
             if defer:  # the host learns the ids behind the next step's launch
-                self.handoff.defer(self.prev_sampled, self.states, row_ids)
+                self.handoff.defer(DeviceSampledIds(out.sampled_token_ids,
+                                                    {r: j for j, r in enumerate(row_ids)}),
+                                   self.states, row_ids)
                 pending = [(row, j) for j, row in enumerate(rows)]
             else:
                 tokens = out.sampled_token_ids.tolist()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from widellm.sampling_params import SAMPLING_EPS
-from widellm.worker.sampling_metadata import SamplingMetadata
+from widellm.worker.sampling_metadata import SamplingMetadata, host_to_device
 
 # How many of the most likely tokens top-p examines before falling back to a full sort.
 TOP_P_CANDIDATES = 1024
@@ -230,8 +230,7 @@ def _output_ids_tensor(
     """[B, max_len] int64, padded and with out-of-vocab ids (placeholders) set to vocab_size."""
     width = max((len(ids) for ids in output_token_ids), default=0)
     padded = [ids + [vocab_size] * (width - len(ids)) for ids in output_token_ids]
-    ids = torch.tensor(padded, dtype=torch.int64).to(device, non_blocking=True)
-    ids = ids.reshape(len(padded), width)
+    ids = host_to_device(padded, torch.int64, device).reshape(len(padded), width)
     return ids.masked_fill_((ids < 0) | (ids >= vocab_size), vocab_size)
 
 

@@ -117,7 +117,7 @@ class SamplingMetadata:
         num_greedy = sum(t == 0.0 for t in temperatures)
 
         def float_tensor(values: list[float]) -> torch.Tensor:
-            return _on(values, torch.float32, device)
+            return host_to_device(values, torch.float32, device)
 
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params_list]
         top_ps = [p.top_p for p in params_list]
@@ -151,7 +151,7 @@ class SamplingMetadata:
             all_greedy=num_greedy == num_rows,
             all_random=num_greedy == 0,
             top_k=(
-                _on(top_ks, torch.int64, device)
+                host_to_device(top_ks, torch.int64, device)
                 if any(k < vocab_size for k in top_ks) else None
             ),
             top_p=float_tensor(top_ps) if any(p < NO_TOP_P for p in top_ps) else None,
@@ -183,8 +183,9 @@ def _logit_bias(params_list: Sequence[SamplingParams], device: torch.device | st
             biases.append(bias)
     if not rows:
         return None
-    return (_on(rows, torch.int64, device), _on(ids, torch.int64, device),
-            _on(biases, torch.float32, device))
+    return (host_to_device(rows, torch.int64, device),
+            host_to_device(ids, torch.int64, device),
+            host_to_device(biases, torch.float32, device))
 
 
 def _pad_rows(
@@ -193,7 +194,7 @@ def _pad_rows(
     """[B, max_len] int64 of ``rows``, right-padded with ``pad``."""
     width = max((len(r) for r in rows), default=0)
     padded = [list(r) + [pad] * (width - len(r)) for r in rows]
-    return _on(padded, torch.int64, device).reshape(len(rows), width)
+    return host_to_device(padded, torch.int64, device).reshape(len(rows), width)
 
 
 def _min_tokens_masks(
@@ -216,7 +217,8 @@ def _min_tokens_masks(
     return masks
 
 
-def _on(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def host_to_device(values: Sequence, dtype: torch.dtype,
+                   device: torch.device | str) -> torch.Tensor:
     """``values`` as a tensor on ``device``, copied without waiting for the device's queued
     work (a blocking copy would wait for the step's forward; pageable memory is staged by the
     driver before the call returns, so the list can go)."""
