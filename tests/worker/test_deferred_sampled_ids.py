@@ -75,30 +75,31 @@ MAX_TOKENS = (32, 5, 40, 1, 20, 32)
 def _run(path: str, monkeypatch, defer: bool, graphs: bool = False):
     monkeypatch.setenv(TEST_DEFER_SAMPLED_IDS_ENV, "1" if defer else "0")
     monkeypatch.setenv(TEST_EAGER_GRAPHS_ENV, "1" if graphs else "0")
-    llm = LLM(path, dtype="float32", num_kv_blocks=POOL_BLOCKS, max_model_len=POOL_BLOCKS * 16,
-              async_scheduling=True, cuda_graph_sizes="1,2,4,8" if graphs else None)
-    runner = llm.llm_engine.engine_core.model_runner
-    deferred = []
-    real_defer = runner.handoff.defer
+    with LLM(path, dtype="float32", num_kv_blocks=POOL_BLOCKS,
+             max_model_len=POOL_BLOCKS * 16, async_scheduling=True,
+             cuda_graph_sizes="1,2,4,8" if graphs else None) as llm:
+        runner = llm.llm_engine.engine_core.model_runner
+        deferred = []
+        real_defer = runner.handoff.defer
 
-    def counting(sampled, states, req_ids):
-        deferred.append(len(req_ids))
-        real_defer(sampled, states, req_ids)
+        def counting(sampled, states, req_ids):
+            deferred.append(len(req_ids))
+            real_defer(sampled, states, req_ids)
 
-    runner.handoff.defer = counting
-    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    params = [SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, max_tokens=m,
-                             ignore_eos=i != 4, repetition_penalty=1.3 if i == 2 else 1.0,
-                             n=2 if i == 3 else 1, logprobs=1 if i == 1 else None)
-              for i, m in enumerate(MAX_TOKENS)]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    core = llm.llm_engine.engine_core
-    assert core.scheduler.num_preemptions > 0
-    result = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
-    lp = [lp_[t].logprob for t, lp_ in zip(outs[1].outputs[0].token_ids,
-                                            outs[1].outputs[0].logprobs)]
+        runner.handoff.defer = counting
+        vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+        params = [SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, max_tokens=m,
+                                 ignore_eos=i != 4, repetition_penalty=1.3 if i == 2 else 1.0,
+                                 n=2 if i == 3 else 1, logprobs=1 if i == 1 else None)
+                  for i, m in enumerate(MAX_TOKENS)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        core = llm.llm_engine.engine_core
+        assert core.scheduler.num_preemptions > 0
+        result = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+        lp = [lp_[t].logprob for t, lp_ in zip(outs[1].outputs[0].token_ids,
+                                                outs[1].outputs[0].logprobs)]
     return result, lp, deferred
 
 
