@@ -81,7 +81,7 @@ def write_random_checkpoint(config, folder: str, fp8: bool) -> None:
 
     from widellm.model.fp8 import deepseek_fp8_quantization_config, quantize_weight_block_fp8
     from widellm.model.fp8_weights import QUANTIZATION_CONFIG_KEY, scale_inv_name
-    from widellm.model.presets import build_tokenizer
+    from widellm.model.preset_tokenizer import build_tokenizer
     from widellm.model.presets_fp8 import WEIGHT_BLOCK_SIZE, is_fp8_linear_weight
 
     with torch.device("meta"):

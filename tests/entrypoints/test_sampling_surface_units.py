@@ -22,7 +22,7 @@ from widellm.entrypoints.protocol import (
 from widellm.entrypoints.protocol_chat import ChatCompletionRequest, TokenizeRequest
 from widellm.entrypoints.serving_base import tokenizer_executor
 from widellm.entrypoints.serving_tokenization import OpenAIServingTokenization
-from widellm.model.presets import CHAT_TEMPLATE
+from widellm.model.preset_tokenizer import CHAT_TEMPLATE
 from widellm.outputs import Logprob
 
 MODEL_ARCH = "LlamaForCausalLM"

@@ -21,7 +21,8 @@ from widellm import LLM, SamplingParams
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.moe.layer import FusedMoE
 from widellm.model import loader
-from widellm.model.presets import PRESETS, resolve_preset, write_checkpoint
+from widellm.model.preset_writer import write_checkpoint
+from widellm.model.presets import PRESETS, resolve_preset
 from widellm.worker import model_runner
 
 FP8_PRESET = "deepseek-v3-tiny-fp8"

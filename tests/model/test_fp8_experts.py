@@ -21,7 +21,8 @@ from widellm.layers.moe.experts_fp8 import Fp8BlockExperts, fp8_experts_supporte
 from widellm.layers.moe.layer import FusedMoE
 from widellm.model import loader
 from widellm.model.fp8_layers import fp8_expert_layer_names
-from widellm.model.presets import get_preset, write_checkpoint
+from widellm.model.preset_writer import write_checkpoint
+from widellm.model.presets import get_preset
 
 BLOCK = (128, 128)
 EXPERT_WIDTH = 128

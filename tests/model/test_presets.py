@@ -10,14 +10,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from widellm.model import presets
-from widellm.model.presets import (
-    PRESETS,
-    flops_per_token,
-    is_preset,
-    preset_flops_per_token,
-    resolve_preset,
-)
+from widellm.model import preset_tokenizer, preset_writer, presets
+from widellm.model.flops import flops_per_token
+from widellm.model.presets import PRESETS, is_preset, preset_flops_per_token, resolve_preset
 
 TINY_PRESETS = sorted(name for name in PRESETS if name.endswith("-tiny"))
 ROUND_TRIP_TEXT = "Hello, wide experts! Ünïcödé → 東京 ✓ tabs\tand\nnewlines  ok."
@@ -151,7 +146,7 @@ def test_deepseek_v3_config_json_has_routing_fields_and_bias(cache_dir):
         assert bias.dtype == torch.float32
         assert bias.shape == (16,)
         assert bool((bias != 0).all())
-        assert float(bias.abs().max()) < 10 * presets.SCORE_BIAS_STD
+        assert float(bias.abs().max()) < 10 * preset_writer.SCORE_BIAS_STD
 
 
 def test_deepseek_v2_tiny_routing(cache_dir):
@@ -204,9 +199,9 @@ def test_deepseek_v3_small_flops_and_description():
 
 
 def test_build_tokenizer_pads_with_fillers():
-    tokenizer = presets.build_tokenizer(4000)
+    tokenizer = preset_tokenizer.build_tokenizer(4000)
     assert len(tokenizer) == 4000
     assert tokenizer.convert_ids_to_tokens(3999).startswith("<filler")
     assert tokenizer.decode([3999]) == tokenizer.convert_ids_to_tokens(3999)
     with pytest.raises(ValueError):
-        presets.build_tokenizer(100)
+        preset_tokenizer.build_tokenizer(100)

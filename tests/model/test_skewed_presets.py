@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from widellm.layers.moe.router import select_experts
-from widellm.model import presets
-from widellm.model.presets import PRESETS, resolve_preset, skew_heat, write_checkpoint
+from widellm.model import preset_writer, presets
+from widellm.model.preset_writer import skew_heat, write_checkpoint
+from widellm.model.presets import PRESETS, resolve_preset
 
 SKEWED = "deepseek-v3-tiny-skewed"
 TWIN = "deepseek-v3-tiny"
@@ -151,13 +152,13 @@ def test_skew_heat_layout():
     num_experts, top_k = 64, 6
     heat = skew_heat(num_experts, top_k, generator)
     quarter, half = num_experts // 4, num_experts // 2
-    warm_block = presets.SKEW_WARM + presets.SKEW_BLOCK
+    warm_block = preset_writer.SKEW_WARM + preset_writer.SKEW_BLOCK
     assert bool((heat[half:] == 0).all())
-    assert bool((heat[quarter:half] == presets.SKEW_WARM).all())
+    assert bool((heat[quarter:half] == preset_writer.SKEW_WARM).all())
     hot = heat[:quarter] > warm_block
     assert int(hot.sum()) == top_k // 2
     assert bool((heat[:quarter][~hot] == warm_block).all())
-    assert torch.allclose(heat[:quarter][hot], torch.tensor(warm_block + presets.SKEW_HOT))
+    assert torch.allclose(heat[:quarter][hot], torch.tensor(warm_block + preset_writer.SKEW_HOT))
 
 
 def test_router_skew_keeps_unskewed_hashes_and_changes_skewed_ones():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from widellm.core.request import Request, RequestStatus
-from widellm.model.presets import build_tokenizer
+from widellm.model.preset_tokenizer import build_tokenizer
 from widellm.sampling_params import SamplingParams
 from widellm.sampling_params import StructuredOutputsParams as S
 from widellm.structured_output.bitmask import unpack_bitmask

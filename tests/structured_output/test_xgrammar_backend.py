@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from widellm.model.presets import build_tokenizer
+from widellm.model.preset_tokenizer import build_tokenizer
 from widellm.sampling_params import StructuredOutputsParams as S
 from widellm.structured_output.xgrammar_backend import XgrammarBackend
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from widellm.model.flops import moe_layer_ids
+
 ROUTING_KINDS = ("uniform", "zipf", "recorded")
 # The recorded-counts file format (written by benchmarks/record_routing.py).
 RECORDED_FORMAT = "widellm.routing_counts.v1"
@@ -41,8 +43,6 @@ _ZIPF_ORDER_STREAM = 11
 
 def moe_dims(hf_config: Any) -> tuple[int, int, int]:
     """``(routed experts, experts per token, MoE layers)`` of a HF config."""
-    # The preset generator's rule for which layers are MoE covers every family widellm loads.
-    from widellm.model.presets import _moe_layer_ids
 
     num_experts = (getattr(hf_config, "n_routed_experts", None)
                    or getattr(hf_config, "num_local_experts", None)
@@ -51,7 +51,7 @@ def moe_dims(hf_config: Any) -> tuple[int, int, int]:
     if not num_experts or not top_k:
         raise ValueError("the model has no routed experts (n_routed_experts / "
                          "num_experts_per_tok missing from its config)")
-    return int(num_experts), int(top_k), max(1, len(_moe_layer_ids(hf_config)))
+    return int(num_experts), int(top_k), max(1, len(moe_layer_ids(hf_config)))
 
 
 def cap_inclusion(shares: np.ndarray, top_k: int) -> np.ndarray:
