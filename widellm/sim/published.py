@@ -15,8 +15,11 @@ The setups (each figure with its source):
   59,337 at 4K with simulated perfect EPLB; TBO in decode +25.5% at 256 tokens per GPU, -27%
   at 32.
 * vLLM (blog "vLLM Large Scale Serving: DeepSeek @ 2.2k tok/s/H200 with Wide-EP",
-  2025-12-17): ~2,200 output tok/s per H200, the setup as the issue gives it (EP32, 2,000 in /
-  2,000 out, so a mean context of ~3,000, 256 concurrent requests per rank, DBO).
+  2025-12-17): ~2,200 output tok/s per H200. Its follow-up ("Driving vLLM WideEP and
+  Large-Scale Serving Toward Maturity on Blackwell (Part I)", 2026-02-03) names the figure
+  "2.2k tok/s/H200 decode throughput" (tokens per decode GPU per second), for 2K in / 2K out,
+  on an H200 deployment of 16 prefill and 32 decode GPUs: decode at EP32, so a mean context of
+  ~3,000. The concurrency is not published; 256 requests per rank is the issue's assumption.
 
 Every setup uses FP8 weights, 32 redundant experts, DeepEP's low-latency kernels with CUDA
 graphs in decode and its normal kernels in prefill.
