@@ -156,7 +156,7 @@ def test_rejected_or_unreachable_server_is_a_one_line_error(stub, tokenizer_dir)
 
 
 def test_vllm_command_line_against_widellm_serve(model_dir, tmp_path):
-    from tests.e2e.test_api_server import MODEL_ARCH, ServerProcess
+    from tests.e2e.server_harness import MODEL_ARCH, ServerProcess
 
     model = model_dir(MODEL_ARCH)
     server = ServerProcess(model, tmp_path / "server.log", ["--served-model-name", "tiny"])

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.test_api_server import (
-    POLL_S, REQUEST_TIMEOUT_S, ServerProcess, _metric, _metrics,
-)
+from tests.e2e.server_harness import POLL_S, REQUEST_TIMEOUT_S, ServerProcess, metric, metrics
 
 
 def kv_flags(role: str, policy: str = "recompute", **extra) -> list[str]:
@@ -52,7 +50,7 @@ def started(*procs: ServerProcess):
 
 
 def kv_usage(server: ServerProcess) -> float:
-    return _metric(_metrics(server), "widellm:kv_cache_usage_perc")
+    return metric(metrics(server), "widellm:kv_cache_usage_perc")
 
 
 def wait_for_metric(server: ServerProcess, name: str, want, timeout_s: float = 15.0,
@@ -61,7 +59,7 @@ def wait_for_metric(server: ServerProcess, name: str, want, timeout_s: float = 1
     deadline = time.monotonic() + timeout_s
     value = None
     while time.monotonic() < deadline:
-        value = _metric(_metrics(server), name, **labels)
+        value = metric(metrics(server), name, **labels)
         if want(value):
             return value
         time.sleep(POLL_S)

@@ -1,157 +1,36 @@
 """The OpenAI-compatible server run as a user runs it: ``widellm serve`` in a subprocess on a
 tiny random model, driven by the official ``openai`` client (the API oracle) and raw httpx for
-what the client hides (status codes, error bodies, SSE frames, disconnects)."""
+what the client hides (status codes, error bodies, SSE frames). Disconnects, the API key and
+engine death run against a second server in ``test_api_server_keyed.py``."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import widellm
+from tests.e2e.server_harness import (
+    MAX_MODEL_LEN, MAX_N, MODEL_ARCH, PROMPT, REQUEST_TIMEOUT_S, SERVED_NAME, metric, metrics,
+    start_server,
+)
 from widellm.engine.tokenizer import get_tokenizer
 from widellm.entrypoints.serving_base import DATA_PARALLEL_RANK_HEADER
-from widellm.worker.model_runner import TEST_STEP_SLEEP_ENV
 
-MODEL_ARCH = "LlamaForCausalLM"
-SERVED_NAME = "tiny-llama"
-MAX_MODEL_LEN = 512
-MAX_N = 4
-API_KEY = "test-secret"
-ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256",
-                "--max-model-len", str(MAX_MODEL_LEN)]
-STARTUP_TIMEOUT_S = 180.0
-STOP_TIMEOUT_S = 15.0
-REQUEST_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 20.0
-DEATH_TIMEOUT_S = 10.0
-POLL_S = 0.1
-# Long enough that a request is still generating when the test cuts it off.
-LONG_MAX_TOKENS = 400
-KEYED_STEP_SLEEP_S = 0.02  # 400 slowed steps take 8 s, far longer than the death test waits
-PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0.0}
 IGNORE_EOS = {"ignore_eos": True}  # fixed output lengths from a random model
-
-
-# The server's start-up line: "widellm X serving MODEL at http://127.0.0.1:PORT (OpenAI ...".
-BOUND_URL = re.compile(r"http://127\.0\.0\.1:(\d+)(?= \(OpenAI)")
-
-
-# ---- the server process ------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids += [int(k) for k in (task / "children").read_text().split()]
-    return kids
-
-
-class ServerProcess:
-    """``python -m widellm.entrypoints.cli serve`` in its own session (so the engine core it
-    spawns can be killed with it), logging to a file."""
-
-    def __init__(self, model: str, log_path: Path, extra_args: list[str],
-                 env: dict[str, str] | None = None) -> None:
-        # Port 0: the server binds a free port itself and logs it, so no other process can
-        # take the port between choosing and binding it. ``wait_ready`` sets the real ones.
-        self.port = 0
-        self.url = ""
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "widellm.entrypoints.cli", "serve", model,
-             "--port", "0", "--max-n", str(MAX_N), "--disable-uvicorn-access-log",
-             *ENGINE_FLAGS, *extra_args],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        """Wait for the log line with the bound address, then for ``/health`` to answer 200."""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited at start-up:\n{self.log()}"
-            if not self.url and (bound := BOUND_URL.search(self.log())):
-                self.url, self.port = bound.group(0), int(bound.group(1))
-            try:
-                if self.url and httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(POLL_S * 2)
-        raise AssertionError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
-
-    def engine_core_pid(self) -> int:
-        cores = [c for c in _children(self.proc.pid)
-                 if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-        assert len(cores) == 1, cores
-        return cores[0]
-
-    def stop(self) -> None:
-        """SIGTERM the server (it stops its engine core), then SIGKILL whatever is left of
-        the process group."""
-        self.proc.terminate()
-        try:
-            self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(STOP_TIMEOUT_S)
-        self._log.close()
-
-
-def _start(model_dir, tmp_path_factory, name: str, extra_args: list[str],
-           env: dict[str, str] | None = None):
-    server = ServerProcess(model_dir(MODEL_ARCH), tmp_path_factory.mktemp(name) / "server.log",
-                           extra_args, env)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    yield from _start(model_dir, tmp_path_factory, "server", ["--served-model-name", SERVED_NAME])
-
-
-@pytest.fixture(scope="module")
-def keyed_server(model_dir, tmp_path_factory):
-    """A second instance behind --api-key; the engine-death test kills its core. Its steps are
-    slowed (test-only hook) so that the death and disconnect tests' requests are surely still
-    running when the core dies or the client leaves: unslowed, the tiny model finishes 400
-    tokens in well under a second."""
-    yield from _start(model_dir, tmp_path_factory, "keyed",
-                      ["--api-key", API_KEY, "--served-model-name", SERVED_NAME],
-                      {TEST_STEP_SLEEP_ENV: str(KEYED_STEP_SLEEP_S)})
+    yield from start_server(model_dir, tmp_path_factory, "server",
+                            ["--served-model-name", SERVED_NAME])
 
 
 @pytest.fixture(scope="module")
@@ -183,43 +62,6 @@ def _chat_prompt_len(tokenizer) -> int:
 
 # ---- metrics -----------------------------------------------------------------------------------
 
-def _metrics(server) -> dict[tuple[str, frozenset], float]:
-    text = httpx.get(server.url + "/metrics", timeout=REQUEST_TIMEOUT_S).text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
-            values[(s.name, labels)] = s.value
-    return values
-
-
-def _metric(values, name: str, **labels) -> float:
-    """Sum over the samples of ``name`` carrying ``labels`` (and any others, e.g. rank)."""
-    want = frozenset(labels.items())
-    return sum(v for (n, have), v in values.items() if n == name and want <= have)
-
-
-def _total_successes(values) -> float:
-    return sum(v for (name, _), v in values.items() if name == "widellm:request_success_total")
-
-
-def _wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(POLL_S)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-def _idle(server) -> bool:
-    m = _metrics(server)
-    return (_metric(m, "widellm:num_requests_running") == 0
-            and _metric(m, "widellm:kv_cache_usage_perc") == 0)
-
-
-def _running(server) -> float:
-    return _metric(_metrics(server), "widellm:num_requests_running")
 
 
 # ---- completions and chat ----------------------------------------------------------------------
@@ -379,10 +221,10 @@ def test_models_tokenize_detokenize_version_health(server, tokenizer):
 
 
 def test_metrics_rise_by_the_request(server, client, tokenizer):
-    before = _metrics(server)
+    before = metrics(server)
     _complete(client, max_tokens=5)
-    after = _metrics(server)
-    delta = {name: _metric(after, name) - _metric(before, name) for name in [
+    after = metrics(server)
+    delta = {name: metric(after, name) - metric(before, name) for name in [
         "widellm:generation_tokens_total", "widellm:prompt_tokens_total",
         "widellm:time_to_first_token_seconds_count", "widellm:e2e_request_latency_seconds_count"]}
     assert delta == {
@@ -392,8 +234,8 @@ def test_metrics_rise_by_the_request(server, client, tokenizer):
         "widellm:e2e_request_latency_seconds_count": 1,
     }
     success = "widellm:request_success_total"
-    assert (_metric(after, success, finished_reason="length")
-            - _metric(before, success, finished_reason="length")) == 1
+    assert (metric(after, success, finished_reason="length")
+            - metric(before, success, finished_reason="length")) == 1
 
 
 BLOCK_SIZE = 16  # the engine's default block_size
@@ -401,9 +243,9 @@ HITS = "widellm:prefix_cache_hits_total"
 
 
 def _hits_of(server, send) -> float:
-    before = _metric(_metrics(server), HITS)
+    before = metric(metrics(server), HITS)
     send()
-    return _metric(_metrics(server), HITS) - before
+    return metric(metrics(server), HITS) - before
 
 
 @pytest.mark.parametrize("value,status", [("0", 200), ("1", 400), ("-1", 400), ("r0", 400)])
@@ -456,8 +298,6 @@ def test_cache_salt_separates_prefix_cache_hits(server, client, api):
 
 # ---- bad input ---------------------------------------------------------------------------------
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
 CHAT_OK = {"messages": MESSAGES}
 BAD_REQUESTS = {
     "malformed json": (COMPLETIONS, b'{"prompt": "hi",', 400, None),
@@ -539,179 +379,10 @@ def test_openai_client_raises_the_matching_errors(client):
     assert _complete(client, max_tokens=2).usage.completion_tokens == 2
 
 
-# ---- disconnects ------------------------------------------------------------------------------
-
-def _long_request(stream: bool) -> dict:
-    return {"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": LONG_MAX_TOKENS,
-            "ignore_eos": True, "temperature": 0.0, "stream": stream}
-
-
-def _raw_post(server, body: dict) -> socket.socket:
-    """Send a request on a bare socket (with the keyed server's key); the caller closes it
-    without reading a byte."""
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                 b"Content-Type: application/json\r\n"
-                 + f"Authorization: Bearer {API_KEY}\r\n".encode()
-                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-    return sock
-
-
-def _assert_aborted(server, before, aborts=(1,)) -> None:
-    """Back to idle (no running request, no KV block in use) with no request finishing, and
-    the abort counted as request_success_total{finished_reason="abort"} (``aborts``: the
-    allowed increments; a request cut before it reached the engine is not counted)."""
-    _wait_until(lambda: _idle(server), IDLE_TIMEOUT_S, "running requests and KV usage to drop")
-    after = _metrics(server)
-    aborted = (_metric(after, "widellm:request_success_total", finished_reason="abort")
-               - _metric(before, "widellm:request_success_total", finished_reason="abort"))
-    assert aborted in aborts
-    assert _total_successes(after) - aborted == _total_successes(before)
-    generated = (_metric(after, "widellm:generation_tokens_total")
-                 - _metric(before, "widellm:generation_tokens_total"))
-    assert generated < LONG_MAX_TOKENS
-
-
-# The disconnect tests run on the keyed server, whose steps are slowed: unslowed, the request
-# can finish all its tokens before the test sees it running or cuts it off.
-
-def test_disconnect_mid_stream_aborts_the_request(keyed_server):
-    server = keyed_server
-    before = _metrics(server)
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as http:
-        with http.stream("POST", server.url + COMPLETIONS, json=_long_request(True)) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            data = [line for line in (next(lines) for _ in range(6)) if line.startswith("data:")]
-            assert len(data) == 3
-    _assert_aborted(server, before)
-
-
-@pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_while_generating_aborts_the_request(keyed_server, stream):
-    server = keyed_server
-    before = _metrics(server)
-    sock = _raw_post(server, _long_request(stream))
-    try:
-        _wait_until(lambda: _running(server) == 1, IDLE_TIMEOUT_S, "the request to run")
-    finally:
-        sock.close()
-    _assert_aborted(server, before)
-
-
-def test_disconnect_right_after_sending_leaves_nothing_running(keyed_server):
-    server = keyed_server
-    before = _metrics(server)
-    _raw_post(server, _long_request(True)).close()
-    _assert_aborted(server, before, aborts=(0, 1))
-
-
-# ---- API key and engine death (second server) ----------------------------------------------
-
-def test_api_key_is_required_when_set(keyed_server):
-    url = keyed_server.url + "/v1/models"
-    for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}]:
-        response = httpx.get(url, headers=headers)
-        assert response.status_code == 401
-        assert response.json()["error"]["type"] == "AuthenticationError"
-    assert httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
-    assert httpx.get(keyed_server.url + "/health").status_code == 200  # probes need no key
-
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="wrong",
-                      max_retries=0).models.list()
-    keyed = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=API_KEY, max_retries=0,
-                          timeout=REQUEST_TIMEOUT_S)
-    model = keyed.models.list().data[0].id
-    out = keyed.completions.create(model=model, prompt=PROMPT, max_tokens=3,
-                                   extra_body=IGNORE_EOS)
-    assert out.usage.completion_tokens == 3
-
-
 @pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])
-def test_docs_follow_the_api_key(server, keyed_server, path):
-    assert httpx.get(server.url + path).status_code == 200  # no key set: open
-    response = httpx.get(keyed_server.url + path)
-    assert response.status_code == 401
-    assert response.json()["error"]["type"] == "AuthenticationError"
-    keyed = httpx.get(keyed_server.url + path, headers={"Authorization": f"Bearer {API_KEY}"})
-    assert keyed.status_code == 200
+def test_docs_are_open_without_an_api_key(server, path):
+    """No --api-key: the docs answer anyone (the keyed server's guard is tested beside it)."""
+    response = httpx.get(server.url + path)
+    assert response.status_code == 200
     if path == "/openapi.json":
-        assert "/v1/completions" in keyed.json()["paths"]
-    else:
-        assert "/openapi.json" in keyed.text  # the page loads the guarded schema
-
-
-def test_logged_curl_command_works_with_the_exported_key(keyed_server):
-    """The start-up log's curl hint, run by a shell with WIDELLM_API_KEY exported, gets an
-    answer (the key used to sit in single quotes, so the shell sent it unexpanded: 401)."""
-    lines = [line.strip() for line in keyed_server.log().splitlines()
-             if line.strip().startswith("curl ")]
-    assert len(lines) == 1, keyed_server.log()
-    assert "$WIDELLM_API_KEY" in lines[0]
-    done = subprocess.run(["bash", "-c", lines[0] + " -sS --fail-with-body"],
-                          env={**os.environ, "WIDELLM_API_KEY": API_KEY},
-                          capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr + done.stdout
-    assert json.loads(done.stdout)["usage"]["completion_tokens"] >= 1
-
-
-def test_engine_core_death_fails_requests_and_health(keyed_server):
-    url = keyed_server.url
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = {**_long_request(True), "model": None}
-    blocking: dict = {}
-
-    def non_streaming():
-        blocking["response"] = httpx.post(url + COMPLETIONS, headers=headers,
-                                          json={**body, "stream": False},
-                                          timeout=REQUEST_TIMEOUT_S)
-
-    # Both requests go out together: a tiny model generates its 400 tokens in about a second,
-    # so a second request sent only after the first streamed a chunk could find it finished.
-    waiter = threading.Thread(target=non_streaming)
-    waiter.start()
-    with httpx.Client(timeout=DEATH_TIMEOUT_S, headers=headers) as http:
-        with http.stream("POST", url + COMPLETIONS, json=body) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: {")
-            _wait_until(lambda: _running(keyed_server) == 2, IDLE_TIMEOUT_S, "both requests")
-            os.kill(keyed_server.engine_core_pid(), signal.SIGKILL)
-            killed = time.monotonic()
-            rest = [line for line in lines if line.startswith("data:")]
-    assert time.monotonic() - killed < DEATH_TIMEOUT_S
-    assert rest[-1] == "data: [DONE]"
-    error = json.loads(rest[-2][len("data:"):])["error"]
-    assert (error["type"], error["code"]) == ("InternalServerError", 500)
-    assert "engine" in error["message"]
-
-    waiter.join(DEATH_TIMEOUT_S)
-    assert blocking["response"].status_code == 500
-    assert blocking["response"].json()["error"]["type"] == "InternalServerError"
-
-    health = httpx.get(url + "/health")
-    assert health.status_code == 503
-    assert health.json()["error"]["type"] == "ServiceUnavailableError"
-    after = httpx.post(url + COMPLETIONS, headers=headers, json={"prompt": "hi"})
-    assert after.status_code == 500 and "engine" in after.json()["error"]["message"]
-    assert "failing" in keyed_server.log()  # the server said why
-
-
-def test_taken_port_fails_before_the_model_loads(model_dir, tmp_path):
-    """The HTTP port is bound before the engine core starts: a taken port ends the server at
-    once (exit 1, saying why) instead of after loading the model."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "widellm.entrypoints.cli", "serve", model_dir(MODEL_ARCH),
-             "--port", str(port), *ENGINE_FLAGS],
-            capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S,
-        )
-    assert result.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
-    assert "KV cache" not in result.stderr  # no engine core was started
+        assert "/v1/completions" in response.json()["paths"]

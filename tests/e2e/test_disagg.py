@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.e2e.disagg_utils import ProxyProcess, kv_flags, kv_usage, started, wait_for_metric
-from tests.e2e.test_api_server import REQUEST_TIMEOUT_S, ServerProcess, _metric, _metrics
+from tests.e2e.server_harness import REQUEST_TIMEOUT_S, ServerProcess, metric, metrics
 from widellm import LLM, SamplingParams
 
 MAX_TOKENS = 10
@@ -90,7 +90,7 @@ def deepseek(model_dir, tmp_path_factory):
 
 
 def _sent(server: ServerProcess) -> float:
-    return _metric(_metrics(server), "widellm:kv_transfers_total", direction="send")
+    return metric(metrics(server), "widellm:kv_transfers_total", direction="send")
 
 
 def _check_through_proxy(model: str, prefill: ServerProcess, decode: ServerProcess,
@@ -98,23 +98,23 @@ def _check_through_proxy(model: str, prefill: ServerProcess, decode: ServerProce
                          prompts: list[list[int]] = PROMPTS) -> None:
     expected = _reference(model, prompts)
     sent_before = _sent(prefill)
-    loads_before = _metric(_metrics(decode), "widellm:kv_transfers_total", direction="recv")
+    loads_before = metric(metrics(decode), "widellm:kv_transfers_total", direction="recv")
     # Round 1 loads every prompt's KV (the prefill side computes it, or hits its own cache);
     # round 2 (streamed) hits the decode side's prefix cache too: it loads only what it lacks.
     assert [_complete(proxy.url, p, stream=False) for p in prompts] == expected
     assert [_complete(proxy.url, p, stream=True) for p in prompts] == expected
     for server in (prefill, decode):
-        values = _metrics(server)
-        assert _metric(values, "widellm:prefix_cache_hits_total") > 0, server.log_path
-    values = _metrics(decode)
+        values = metrics(server)
+        assert metric(values, "widellm:prefix_cache_hits_total") > 0, server.log_path
+    values = metrics(decode)
     # Every request loaded its prompt's KV; none was recomputed or failed.
-    loads = _metric(values, "widellm:kv_transfers_total", direction="recv")
+    loads = metric(values, "widellm:kv_transfers_total", direction="recv")
     assert loads - loads_before == NUM_LOADS
-    assert _metric(values, "widellm:kv_transfer_recomputed_total") == 0
-    assert _metric(values, "widellm:kv_transfer_failures_total") == 0
-    assert _metric(values, "widellm:kv_transfer_bytes_total", direction="recv") > 0
+    assert metric(values, "widellm:kv_transfer_recomputed_total") == 0
+    assert metric(values, "widellm:kv_transfer_failures_total") == 0
+    assert metric(values, "widellm:kv_transfer_bytes_total", direction="recv") > 0
     for rank in map(str, range(ranks)):  # every decode rank got requests and loaded them
-        assert _metric(values, "widellm:kv_transfers_total", direction="recv", engine=rank) > 0
+        assert metric(values, "widellm:kv_transfers_total", direction="recv", engine=rank) > 0
     wait_for_metric(prefill, "widellm:kv_transfers_total",
                     lambda v: v == sent_before + NUM_LOADS, direction="send")
     # Every held block went back once its decode pulled it or let it go.
@@ -139,7 +139,7 @@ def test_deepseek_decode_pool_dp2_ep2(deepseek):
 
 
 def _streamed_transfers(proxy: ServerProcess) -> float:
-    return _metric(_metrics(proxy), "widellm:proxy_streamed_transfers_total")
+    return metric(metrics(proxy), "widellm:proxy_streamed_transfers_total")
 
 
 def test_llama_through_streamed_proxy(llama_deployment):
@@ -160,7 +160,7 @@ def test_openai_client_32_concurrent_and_chat(llama):
     model, prefill, decode, proxy = llama
     prompts = [PROMPTS[i % len(PROMPTS)] + [7 + i] for i in range(NUM_CONCURRENT)]
     expected = _reference(model, prompts)
-    loads_before = _metric(_metrics(decode), "widellm:kv_transfers_total", direction="recv")
+    loads_before = metric(metrics(decode), "widellm:kv_transfers_total", direction="recv")
     client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0,
                            timeout=REQUEST_TIMEOUT_S)
     name = client.models.list().data[0].id
@@ -187,7 +187,7 @@ def test_openai_client_32_concurrent_and_chat(llama):
     # Each of the 32 prompts loaded its KV (its last token is new to the decode side), and
     # both chat requests did: the direct one computed it locally, so its blocks were cached,
     # but a prompt whose len - 1 tokens are not whole blocks still loads the partial block.
-    loads = _metric(_metrics(decode), "widellm:kv_transfers_total", direction="recv")
+    loads = metric(metrics(decode), "widellm:kv_transfers_total", direction="recv")
     assert loads - loads_before == NUM_CONCURRENT + 2
     wait_for_metric(prefill, "widellm:kv_transfer_blocks_held", lambda v: v == 0)
     assert kv_usage(prefill) == 0 and kv_usage(decode) == 0

@@ -17,7 +17,7 @@ import pytest
 from tests.e2e.disagg_utils import (
     decode, kv_flags, prefill, started, wait_for_metric,
 )
-from tests.e2e.test_api_server import ServerProcess, _free_port, _metric, _metrics
+from tests.e2e.server_harness import ServerProcess, free_port, metric, metrics
 from widellm import LLM, SamplingParams
 from widellm.kv_transfer.faults import FAULT_FILE_ENV
 
@@ -56,7 +56,7 @@ class Faults:
 
 @pytest.fixture(scope="module")
 def side_port() -> int:
-    return _free_port()
+    return free_port()
 
 
 def _prefill_server(model: str, tmp_path, side_port: int, faults: Faults, name: str):
@@ -106,7 +106,7 @@ def _all_free(*servers: ServerProcess) -> None:
 def test_bad_transfer_each_policy(deployment, expected, fault, cause):
     (prefill_s, recompute_s, fail_s), faults = deployment
     for i, (server, policy) in enumerate(((recompute_s, "recompute"), (fail_s, "fail"))):
-        before = _metric(_metrics(server), "widellm:kv_transfer_failures_total", cause=cause)
+        before = metric(metrics(server), "widellm:kv_transfer_failures_total", cause=cause)
         params = prefill(prefill_s, PROMPTS[i])
         faults.set(fault)
         try:
@@ -114,9 +114,9 @@ def test_bad_transfer_each_policy(deployment, expected, fault, cause):
                            cause)
         finally:
             faults.set("")
-        after = _metric(_metrics(server), "widellm:kv_transfer_failures_total", cause=cause)
+        after = metric(metrics(server), "widellm:kv_transfer_failures_total", cause=cause)
         assert after == before + 1
-    assert _metric(_metrics(recompute_s), "widellm:kv_transfer_recomputed_total") >= 1
+    assert metric(metrics(recompute_s), "widellm:kv_transfer_recomputed_total") >= 1
     _all_free(prefill_s, recompute_s, fail_s)
 
 
@@ -150,7 +150,7 @@ def test_streamed_transfer_faults_each_policy(deployment, expected, fault, cause
     decode's pull times out): the policy holds and nothing stays allocated."""
     (prefill_s, recompute_s, fail_s), faults = deployment
     for i, (server, policy) in enumerate(((recompute_s, "recompute"), (fail_s, "fail"))):
-        before = _metric(_metrics(server), "widellm:kv_transfer_failures_total", cause=cause)
+        before = metric(metrics(server), "widellm:kv_transfer_failures_total", cause=cause)
         faults.set(fault)
         try:
             response = _streamed(prefill_s, server, PROMPTS[i], f"{cause}-{policy}",
@@ -158,7 +158,7 @@ def test_streamed_transfer_faults_each_policy(deployment, expected, fault, cause
         finally:
             faults.set("")
         _check_outcome(response, policy, expected[i], cause)
-        after = _metric(_metrics(server), "widellm:kv_transfer_failures_total", cause=cause)
+        after = metric(metrics(server), "widellm:kv_transfer_failures_total", cause=cause)
         assert after == before + 1
     _all_free(prefill_s, recompute_s, fail_s)
     wait_for_metric(prefill_s, "widellm:kv_transfer_blocks_held", lambda v: v == 0)
@@ -166,12 +166,12 @@ def test_streamed_transfer_faults_each_policy(deployment, expected, fault, cause
 
 def test_lease_expiry_frees_the_producers_blocks(deployment):
     (prefill_s, _, _), _ = deployment
-    before = _metric(_metrics(prefill_s), "widellm:kv_transfer_leases_expired_total")
+    before = metric(metrics(prefill_s), "widellm:kv_transfer_leases_expired_total")
     prefill(prefill_s, PROMPTS[2])  # nobody ever pulls it
-    assert _metric(_metrics(prefill_s), "widellm:kv_transfer_blocks_held") > 0
+    assert metric(metrics(prefill_s), "widellm:kv_transfer_blocks_held") > 0
     wait_for_metric(prefill_s, "widellm:kv_transfer_blocks_held", lambda v: v == 0,
                     timeout_s=LEASE_S + 10)
-    assert _metric(_metrics(prefill_s), "widellm:kv_transfer_leases_expired_total") == before + 1
+    assert metric(metrics(prefill_s), "widellm:kv_transfer_leases_expired_total") == before + 1
     _all_free(prefill_s)
 
 
@@ -182,7 +182,7 @@ def test_decode_killed_while_holding_a_lease(deployment, model_dir, tmp_path):
     slow = Faults(tmp_path / "slow.fault")
     slow.set(f"delay_pull:{LONG_DELAY_S}")
     victim = _decode_server(model_dir(ARCH), tmp_path, "fail", slow, "victim")
-    expired = _metric(_metrics(prefill_s), "widellm:kv_transfer_leases_expired_total")
+    expired = metric(metrics(prefill_s), "widellm:kv_transfer_leases_expired_total")
     with started(victim):
         params = prefill(prefill_s, PROMPTS[3])
         waiter = threading.Thread(target=lambda: _swallow(decode, victim, PROMPTS[3], params,
@@ -190,13 +190,13 @@ def test_decode_killed_while_holding_a_lease(deployment, model_dir, tmp_path):
         waiter.start()
         # Two lease terms later the blocks are still held: the heartbeats extended it.
         threading.Event().wait(2 * LEASE_S)
-        assert _metric(_metrics(prefill_s), "widellm:kv_transfer_blocks_held") > 0
-        assert _metric(_metrics(prefill_s),
-                       "widellm:kv_transfer_leases_expired_total") == expired
+        assert metric(metrics(prefill_s), "widellm:kv_transfer_blocks_held") > 0
+        assert metric(metrics(prefill_s),
+                      "widellm:kv_transfer_leases_expired_total") == expired
     # The victim is stopped (SIGTERM, then SIGKILL of its group): no more heartbeats.
     wait_for_metric(prefill_s, "widellm:kv_transfer_blocks_held", lambda v: v == 0,
                     timeout_s=LEASE_S + 10)
-    assert _metric(_metrics(prefill_s), "widellm:kv_transfer_leases_expired_total") == expired + 1
+    assert metric(metrics(prefill_s), "widellm:kv_transfer_leases_expired_total") == expired + 1
     _all_free(prefill_s)
 
 
@@ -238,6 +238,6 @@ def test_prefill_killed_mid_transfer_then_restarted(deployment, model_dir, tmp_p
                        expected[0], None)
         _check_outcome(decode(fail_s, PROMPTS[1], params[1], MAX_TOKENS), "fail", expected[1],
                        "engine_mismatch")
-        assert _metric(_metrics(recompute_s), "widellm:kv_transfer_failures_total",
-                       cause="engine_mismatch") == 1
+        assert metric(metrics(recompute_s), "widellm:kv_transfer_failures_total",
+                      cause="engine_mismatch") == 1
         _all_free(third, recompute_s, fail_s)

@@ -71,7 +71,7 @@ def test_serve_keeps_completing_requests_across_rebalances(skewed, tmp_path):
 
     import openai
 
-    from tests.e2e.test_api_server import REQUEST_TIMEOUT_S, ServerProcess, _metric, _metrics
+    from tests.e2e.server_harness import REQUEST_TIMEOUT_S, ServerProcess, metric, metrics
 
     path, _ = skewed
     server = ServerProcess(path, tmp_path / "server.log", [
@@ -95,10 +95,10 @@ def test_serve_keeps_completing_requests_across_rebalances(skewed, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(NUM_PROMPTS) as pool:
             for _ in range(2):
                 assert list(pool.map(one, _prompts())) == [MAX_TOKENS] * NUM_PROMPTS
-        metrics = _metrics(server)
+        values = metrics(server)
         # Every rank reports the numbers the ranks agreed on.
-        assert _metric(metrics, "widellm:eplb_num_rebalances", engine="0") >= 2
-        assert _metric(metrics, "widellm:eplb_balancedness", engine="0") > 0.85
-        assert 0 < _metric(metrics, "widellm:eplb_max_stall_seconds", engine="0") < 5.0
+        assert metric(values, "widellm:eplb_num_rebalances", engine="0") >= 2
+        assert metric(values, "widellm:eplb_balancedness", engine="0") > 0.85
+        assert 0 < metric(values, "widellm:eplb_max_stall_seconds", engine="0") < 5.0
     finally:
         server.stop()

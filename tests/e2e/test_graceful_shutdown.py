@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.test_api_server import (
-    MODEL_ARCH, REQUEST_TIMEOUT_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ServerProcess, _children,
+from tests.e2e.server_harness import (
+    MODEL_ARCH, REQUEST_TIMEOUT_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ServerProcess, children,
 )
 from tests.e2e.test_process_lifecycle import _wait_gone
 from widellm.worker.model_runner import TEST_STEP_SLEEP_ENV
@@ -60,7 +60,7 @@ def _sigterm_under_load(server: ServerProcess):
     """Start the streams and plain requests, SIGTERM the server once every stream has its
     first chunk; returns (stream events per stream, plain responses, exit code, core pids)."""
     server.wait_ready()
-    cores = _children(server.proc.pid)  # the engine core and any helper
+    cores = children(server.proc.pid)  # the engine core and any helper
     with concurrent.futures.ThreadPoolExecutor(NUM_STREAMS + NUM_PLAIN) as pool:
         started = [concurrent.futures.Future() for _ in range(NUM_STREAMS)]
         streams = [pool.submit(_stream, server.url, f) for f in started]

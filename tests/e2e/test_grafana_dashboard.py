@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.test_api_server import REQUEST_TIMEOUT_S, ServerProcess
+from tests.e2e.server_harness import REQUEST_TIMEOUT_S, ServerProcess
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana.json"
 ARCH = "DeepseekV3ForCausalLM"

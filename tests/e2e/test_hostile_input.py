@@ -23,7 +23,7 @@ from unittest import mock
 import httpx
 import pytest
 
-from tests.e2e.test_api_server import MAX_MODEL_LEN, PROMPT, ServerProcess
+from tests.e2e.server_harness import MAX_MODEL_LEN, PROMPT, ServerProcess
 from widellm.engine.tokenizer import get_tokenizer
 from widellm.entrypoints.server_args import DEFAULT_MAX_REQUEST_BODY_BYTES
 

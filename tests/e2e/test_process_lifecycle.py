@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_api_server import (
+from tests.e2e.server_harness import (
     ENGINE_FLAGS, MAX_N, MODEL_ARCH, REQUEST_TIMEOUT_S, STARTUP_TIMEOUT_S, ServerProcess,
-    _children,
+    children,
 )
 
 pytestmark = pytest.mark.timeout(STARTUP_TIMEOUT_S + 120)
@@ -55,11 +55,11 @@ class WrappedServer(ServerProcess):
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def server_pid(self) -> int:
-        (pid,) = _children(self.proc.pid)
+        (pid,) = children(self.proc.pid)
         return pid
 
     def core_pids(self) -> list[int]:
-        return [c for c in _children(self.server_pid())
+        return [c for c in children(self.server_pid())
                 if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
@@ -139,7 +139,7 @@ def test_core_killed_during_startup_is_named_by_its_signal(model_dir, tmp_path):
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         cores: list[int] = []
         while not cores and time.monotonic() < deadline:
-            cores = [c for c in _children(server.proc.pid)
+            cores = [c for c in children(server.proc.pid)
                      if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
             time.sleep(POLL_S)
         assert len(cores) == 1, server.log()

@@ -22,8 +22,8 @@ ray = pytest.importorskip("ray")
 
 import httpx  # noqa: E402
 
-from tests.e2e.test_api_server import (  # noqa: E402
-    REQUEST_TIMEOUT_S, STOP_TIMEOUT_S, ServerProcess, _free_port,
+from tests.e2e.server_harness import (  # noqa: E402
+    REQUEST_TIMEOUT_S, STOP_TIMEOUT_S, ServerProcess, free_port,
 )
 from tests.e2e.test_wide_ep import PLACEMENT  # noqa: E402
 from widellm import LLM, SamplingParams  # noqa: E402
@@ -97,14 +97,14 @@ def ray_cluster():
     # Ray's socket paths must stay under 108 bytes: a short folder under /tmp.
     temp_dir = tempfile.mkdtemp(prefix="wray", dir="/tmp")
     log_path = Path(temp_dir) / "head.log"
-    port = _free_port()
+    port = free_port()
     cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head", "--block",
            "--node-ip-address", "127.0.0.1", "--port", str(port),
            "--num-cpus", str(CLUSTER_CPUS), "--include-dashboard=false",
            "--disable-usage-stats", "--temp-dir", temp_dir,
            # Ports with fixed defaults, so that two test runs on one machine never collide.
-           "--metrics-export-port", str(_free_port()),
-           "--runtime-env-agent-port", str(_free_port())]
+           "--metrics-export-port", str(free_port()),
+           "--runtime-env-agent-port", str(free_port())]
     old_address = os.environ.get("RAY_ADDRESS")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.test_api_server import ServerProcess
+from tests.e2e.server_harness import ServerProcess
 
 MODEL_ARCH = "LlamaForCausalLM"
 NAMES = ["tiny-main", "tiny-alias"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_api_server import PROMPT, ServerProcess
+from tests.e2e.server_harness import PROMPT, ServerProcess
 from widellm.engine.llm import LLM
 from widellm.entrypoints.serving_base import DATA_PARALLEL_RANK_HEADER
 from widellm.sampling_params import SamplingParams

@@ -15,8 +15,8 @@ from unittest import mock
 import httpx
 import pytest
 
-from tests.e2e.test_api_server import (
-    PROMPT, ServerProcess, _metric, _metrics, _raw_post, _running, _wait_until,
+from tests.e2e.server_harness import (
+    PROMPT, ServerProcess, metric, metrics, raw_post, running, wait_until,
 )
 
 MODEL_ARCH = "LlamaForCausalLM"
@@ -45,13 +45,13 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_a_held_step_logs_a_stall_with_the_core_state_and_counts_it(server):
-    before = _metric(_metrics(server), "widellm:request_stalls_total")
+    before = metric(metrics(server), "widellm:request_stalls_total")
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "temperature": 0.0}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == MAX_TOKENS
     # Every token waited one held step: one stall per token, each reported once.
-    stalls = _metric(_metrics(server), "widellm:request_stalls_total", engine="0") - before
+    stalls = metric(metrics(server), "widellm:request_stalls_total", engine="0") - before
     assert stalls == MAX_TOKENS
     lines = [m for m in STALL.findall(server.log()) if m[0].startswith(r.json()["id"])]
     assert len(lines) == MAX_TOKENS, server.log()
@@ -61,8 +61,8 @@ def test_a_held_step_logs_a_stall_with_the_core_state_and_counts_it(server):
     assert states[0] is None and "engine core 0 has sent no stats yet" in lines[0][2]
     for i, state in enumerate(states[1:], start=1):
         assert state is not None, lines[i]
-        steps, running, waiting, last_step, since = state.groups()
-        assert (int(steps), int(running), int(waiting)) == (i, 1, 0)
+        steps, num_running, waiting, last_step, since = state.groups()
+        assert (int(steps), int(num_running), int(waiting)) == (i, 1, 0)
         assert float(last_step) >= STEP_SLEEP_S
         assert STALL_TIMEOUT_S <= float(since) < STEP_SLEEP_S
 
@@ -70,17 +70,17 @@ def test_a_held_step_logs_a_stall_with_the_core_state_and_counts_it(server):
 @pytest.mark.timeout(300)
 def test_a_client_disconnect_counts_as_an_abort(server):
     def aborts() -> float:
-        return _metric(_metrics(server), "widellm:request_success_total",
-                       finished_reason="abort")
+        return metric(metrics(server), "widellm:request_success_total",
+                      finished_reason="abort")
 
     before = aborts()
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 50, "ignore_eos": True,
             "temperature": 0.0, "stream": True}
-    sock = _raw_post(server, body)
+    sock = raw_post(server, body)
     try:
-        _wait_until(lambda: _running(server) == 1, WAIT_S, "the request to run")
+        wait_until(lambda: running(server) == 1, WAIT_S, "the request to run")
     finally:
         sock.close()
-    _wait_until(lambda: aborts() == before + 1, WAIT_S, "the abort to be counted")
-    _wait_until(lambda: _running(server) == 0, WAIT_S, "the request to leave the batch")
+    wait_until(lambda: aborts() == before + 1, WAIT_S, "the abort to be counted")
+    wait_until(lambda: running(server) == 0, WAIT_S, "the request to leave the batch")
     assert aborts() == before + 1

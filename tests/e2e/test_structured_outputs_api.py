@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.e2e.test_api_server import REQUEST_TIMEOUT_S, ServerProcess
+from tests.e2e.server_harness import REQUEST_TIMEOUT_S, ServerProcess
 from tests.structured_output.schemas import SCHEMAS
 from widellm.engine.tokenizer import get_tokenizer
 from widellm.model.default_model import default_model_path

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.test_api_server import REQUEST_TIMEOUT_S, SERVED_NAME, _start
+from tests.e2e.server_harness import REQUEST_TIMEOUT_S, SERVED_NAME, start_server
 
 TEST_TIMEOUT_S = 300
 MAX_TOKENS = 200
@@ -82,7 +82,7 @@ pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    yield from _start(model_dir, tmp_path_factory, "tools", [
+    yield from start_server(model_dir, tmp_path_factory, "tools", [
         "--served-model-name", SERVED_NAME, "--enable-auto-tool-choice",
         "--tool-call-parser", "hermes", "--trust-request-chat-template"])
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.test_api_server import (
+from tests.e2e.server_harness import (
     MODEL_ARCH, POLL_S, REQUEST_TIMEOUT_S, SERVED_NAME, STARTUP_TIMEOUT_S, ServerProcess,
 )
 

@@ -19,9 +19,9 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.test_api_server import (
-    ENGINE_FLAGS, REQUEST_TIMEOUT_S, STOP_TIMEOUT_S, ServerProcess, _children, _free_port,
-    _metric, _metrics,
+from tests.e2e.server_harness import (
+    ENGINE_FLAGS, REQUEST_TIMEOUT_S, STOP_TIMEOUT_S, ServerProcess, children, free_port, metric,
+    metrics,
 )
 from widellm import LLM, SamplingParams
 
@@ -64,12 +64,12 @@ def _concurrent_completions(url: str) -> list[str]:
 
 
 def _rank_samples(server: ServerProcess, name: str) -> dict[str, float]:
-    return {dict(labels)["engine"]: v for (n, labels), v in _metrics(server).items()
+    return {dict(labels)["engine"]: v for (n, labels), v in metrics(server).items()
             if n == name and "engine" in dict(labels)}
 
 
 def _engine_core_pids(server: ServerProcess) -> list[int]:
-    return [c for c in _children(server.proc.pid)
+    return [c for c in children(server.proc.pid)
             if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
@@ -101,7 +101,7 @@ def test_disconnect_frees_the_rank_that_held_the_request(dp2_server):
     and its KV blocks come back, on every rank."""
     body = {"prompt": [7] * 40, "max_tokens": 400, "ignore_eos": True, "stream": True,
             "temperature": 0}
-    before = _metrics(dp2_server)
+    before = metrics(dp2_server)
     for _ in range(2):  # the balancer puts the two on different ranks
         with httpx.stream("POST", dp2_server.url + "/v1/completions", json=body,
                           timeout=REQUEST_TIMEOUT_S) as response:
@@ -114,19 +114,19 @@ def test_disconnect_frees_the_rank_that_held_the_request(dp2_server):
             break
         time.sleep(0.1)
     assert set(usage.values()) == {0.0} and set(running.values()) == {0.0}, (usage, running)
-    after = _metrics(dp2_server)
+    after = metrics(dp2_server)
     # Neither request ran to its end: both were cut short by the abort, and counted so.
     successes = "widellm:request_success_total"
-    delta = {reason: _metric(after, successes, finished_reason=reason)
-             - _metric(before, successes, finished_reason=reason)
+    delta = {reason: metric(after, successes, finished_reason=reason)
+             - metric(before, successes, finished_reason=reason)
              for reason in ("stop", "length", "abort")}
     assert delta == {"stop": 0, "length": 0, "abort": 2}
     generated = "widellm:generation_tokens_total"
-    assert _metric(after, generated) - _metric(before, generated) < 2 * body["max_tokens"]
+    assert metric(after, generated) - metric(before, generated) < 2 * body["max_tokens"]
 
 
 def test_two_node_launch_equals_single_rank(model_dir, tmp_path, expected):
-    rpc_port = _free_port()
+    rpc_port = free_port()
     common = ["--data-parallel-size", "4", "--data-parallel-size-local", "2",
               "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc_port),
               *EP_FLAGS]
