@@ -4,7 +4,7 @@ queued and first scheduled; later outputs carry neither."""
 
 from __future__ import annotations
 
-from tests.core.test_scheduler import BLOCK_SIZE, EOS, step
+from tests.core.scheduler_cases import BLOCK_SIZE, EOS, step
 from widellm.config import CacheConfig, SchedulerConfig
 from widellm.core.request import Request
 from widellm.core.scheduler import Scheduler

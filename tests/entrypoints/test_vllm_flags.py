@@ -27,7 +27,7 @@ from widellm.entrypoints.config_file import config_file_defaults
 from widellm.entrypoints.http_options import check_http_args, cors_options
 from widellm.entrypoints.server_args import check_server_args
 from widellm.sampling_params import SamplingParams
-from tests.core.test_scheduler import make_request, step
+from tests.core.scheduler_cases import make_request, step
 
 ARGPARSE_ERROR = 2
 EPLB_JSON = ('{"window_size": 10, "step_interval": 20, "num_redundant_experts": 2, '

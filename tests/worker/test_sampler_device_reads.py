@@ -3,7 +3,7 @@ the host) keep exactly what the CPU's forms keep."""
 
 import torch
 
-from tests.worker.test_sampler import build, seeded
+from tests.worker.sampler_cases import build, seeded
 from widellm.sampling_params import SamplingParams
 from widellm.worker.sampler import TOP_P_CANDIDATES, apply_top_k_top_p, apply_top_p
 
