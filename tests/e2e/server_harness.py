@@ -69,15 +69,22 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    # The start-up line's address (a TLS server's subclass reads its https:// one).
+    bound_url = BOUND_URL
+
+    def healthy(self) -> bool:
+        """``/health`` answers 200 (raises httpx.TransportError while nothing listens)."""
+        return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
+
     def wait_ready(self) -> None:
         """Wait for the log line with the bound address, then for ``/health`` to answer 200."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"server exited at start-up:\n{self.log()}"
-            if not self.url and (bound := BOUND_URL.search(self.log())):
+            if not self.url and (bound := self.bound_url.search(self.log())):
                 self.url, self.port = bound.group(0), int(bound.group(1))
             try:
-                if self.url and httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if self.url and self.healthy():
                     return
             except httpx.TransportError:
                 pass

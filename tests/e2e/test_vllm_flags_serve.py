@@ -8,14 +8,11 @@ import re
 import shutil
 import ssl
 import subprocess
-import time
 
 import httpx
 import pytest
 
-from tests.e2e.server_harness import (
-    MODEL_ARCH, POLL_S, REQUEST_TIMEOUT_S, SERVED_NAME, STARTUP_TIMEOUT_S, ServerProcess,
-)
+from tests.e2e.server_harness import MODEL_ARCH, REQUEST_TIMEOUT_S, SERVED_NAME, ServerProcess
 
 ROOT_PATH = "/widellm"
 ORIGIN = "https://app.example"
@@ -38,24 +35,14 @@ max-n: {FILE_MAX_N}
 
 
 class TLSServer(ServerProcess):
+    bound_url = BOUND_HTTPS
+
     def __init__(self, *args, cafile: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tls = ssl.create_default_context(cafile=cafile)
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited at start-up:\n{self.log()}"
-            if not self.url and (bound := BOUND_HTTPS.search(self.log())):
-                self.url, self.port = bound.group(0), int(bound.group(1))
-            try:
-                if self.url and httpx.get(self.url + "/health", verify=self.tls,
-                                          timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(POLL_S * 2)
-        raise AssertionError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+    def healthy(self) -> bool:
+        return httpx.get(self.url + "/health", verify=self.tls, timeout=1.0).status_code == 200
 
 
 def _self_signed(folder) -> tuple[str, str]:
