@@ -13,14 +13,29 @@
 #      (benchmarks/gpu/ep32_slice.py; goal: 60% of the HBM roofline at 256).
 # The CUDA engine is not admitted by --device auto yet; steps 3-5 set WIDELLM_UNVERIFIED_CUDA=1.
 # Each step has its own time limit, so one that hangs does not take the others' time.
+# The GPU machines' python3 has torch, triton and transformers but not all of widellm's
+# dependencies, and nothing can be downloaded there: run `python benchmarks/gpu/wheels.py`
+# here first and carry `.whl` with the call; this script installs them into a temporary folder.
+# widellm itself is imported from this checkout (PYTHONPATH), not installed.
 # Usage: benchmarks/gpu/check.sh [OUT_DIR]   (PYTHON=... to pick the interpreter)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:-gpu-results}
 PYTHON=${PYTHON:-python3}
+SITE=${TMPDIR:-/tmp}/widellm-gpu-site
 mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .whl/*.whl || { echo "installing .whl failed" >&2; exit 1; }
+fi
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# The CPU engine these checks compare against runs its plain torch path (the reference the
+# CPU parity tests check), not the C++ kernels, which would be compiled first (minutes).
+export WIDELLM_CPU_KERNELS=0
 "$PYTHON" -c 'import torch, triton; assert torch.cuda.is_available(); print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' \
     || { echo "needs torch with CUDA and triton" >&2; exit 1; }
+"$PYTHON" -c 'import widellm, widellm.engine.llm_engine' \
+    || { echo "widellm does not import: run python benchmarks/gpu/wheels.py here, carry .whl" >&2; exit 1; }
 export WIDELLM_UNVERIFIED_CUDA=1
 status=0
 step() {  # step NAME LIMIT_S COMMAND...: run it, log it, remember a failure
