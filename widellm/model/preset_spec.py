@@ -22,8 +22,9 @@ class PresetSpec:
             carry that the transformers config class drops (e.g. DeepSeek-V3's topk_method).
         description: one line for humans and ``--help`` listings.
         router_skew: 0 (default) for a plain random router; > 0 makes a few experts hot
-            through the DeepSeek-V3 score-correction bias (see :data:`widellm.model.preset_writer.SKEW_WARM`), in units of
-            the router-score spread. DeepSeek-V3 (``e_score_correction_bias``) models only.
+            through the DeepSeek-V3 score-correction bias (see
+            :data:`widellm.model.preset_writer.SKEW_WARM`), in units of the router-score
+            spread. DeepSeek-V3 (``e_score_correction_bias``) models only.
         quantization: None (default) for plain weights; ``"fp8"`` rewrites the saved
             checkpoint into DeepSeek-V3's block FP8 format (``presets_fp8.py``).
     """

@@ -23,8 +23,9 @@ SCORE_BIAS_SEED_OFFSET = 1
 # Router skew (PresetSpec.router_skew), for presets whose expert load must be unbalanced so that
 # expert-parallel load balancing has something to fix. A random router spreads tokens fairly
 # evenly (contiguous EP2/EP4 balancedness of the unskewed DeepSeek-V3 presets: ~0.55-0.98,
-# uneven only through their small random bias and correlated hidden states); the skew adds to the DeepSeek-V3 score-correction bias (selection only, gate values stay the
-# model's own) ``router_skew * unit * heat[e]``, where ``unit`` is the spread of the sigmoid
+# uneven only through their small random bias and correlated hidden states); the skew adds to
+# the DeepSeek-V3 score-correction bias (selection only, gate values stay the model's own)
+# ``router_skew * unit * heat[e]``, where ``unit`` is the spread of the sigmoid
 # router scores (sigmoid'(0) = 1/4 times the mean gate-row norm, the logit std for a unit-RMS
 # normed input) and ``heat`` is:
 #   * SKEW_WARM on the first half of the experts: their groups win group-limited routing, so
