@@ -85,6 +85,26 @@ def test_throughput_and_balancedness_over_time():
                                                    "min": [0.8, 0.6, None, None]}
 
 
+def test_decode_gpus_and_the_median_window():
+    colocated = to_json(_result(), num_windows=4)
+    # Windows of 1, 5, 7, 4 tok/s per GPU (above): the median is (4 + 5) / 2.
+    assert colocated["median_window_output_throughput_per_gpu"] == pytest.approx(4.5)
+    assert colocated["decode_gpus"] == 2  # colocated: every GPU produces output
+    assert colocated["output_throughput_per_decode_gpu"] == pytest.approx(4.25)
+    assert colocated["median_window_output_throughput_per_decode_gpu"] == pytest.approx(4.5)
+    # The same run as a disaggregated deployment with one of its two GPUs decoding.
+    result = _result()
+    result.config = {"prefill": {"num_ranks": 1}, "decode": {"num_ranks": 1}}
+    disagg = to_json(result, num_windows=4)
+    assert (disagg["decode_gpus"], disagg["output_throughput_per_gpu"]) == (1, 4.25)
+    assert disagg["output_throughput_per_decode_gpu"] == pytest.approx(8.5)
+    assert disagg["median_window_output_throughput_per_decode_gpu"] == pytest.approx(9.0)
+    steady = next(line for line in format_table(disagg).splitlines()
+                  if line.startswith("steady"))
+    assert steady == ("steady        4.5 output tok/s/GPU in the median window; per decode GPU "
+                      "(1): 8.5 over the run, 9.0 in the median window")
+
+
 def test_json_round_trips_and_table_shows_the_numbers():
     s = to_json(_result())
     assert json.loads(json.dumps(s)) == s

@@ -5,7 +5,12 @@ Definitions (virtual time, finished requests only, as ``widellm bench`` counts t
 
 - duration: from the first arrival to the last finish;
 - throughput per GPU: tokens / duration / GPUs of the whole deployment (prefill and decode
-  pools together), output tokens alone and prompt + output tokens;
+  pools together), output tokens alone and prompt + output tokens; per decode GPU: output
+  tokens / duration / GPUs of the pool that produces them (the decode pool of a disaggregated
+  deployment, every GPU of a colocated one: vLLM's "decode TPGS");
+- median window: the median over the time series' windows of output tokens/s per GPU (and per
+  decode GPU), a steady-state reading that ramp-up and drain, a minority of windows in a long
+  run, do not move;
 - TTFT = first token - arrival; E2E = finish - arrival; ITL = (finish - first token) /
   (output tokens - 1) per request with at least two output tokens (the simulator keeps no
   per-token times, so this is each request's mean gap, vLLM's TPOT);
@@ -15,8 +20,8 @@ Definitions (virtual time, finished requests only, as ``widellm bench`` counts t
 - step breakdown: for each rank, the mean seconds per step of each phase of its cost
   breakdown (and of the step's total), then the max and mean of that over the ranks.
 
-Over time, a request's output tokens are placed at its first token and spread evenly up to its
-finish, and the run is cut into ``NUM_WINDOWS`` equal windows.
+Over time, the run is cut into ``NUM_WINDOWS`` equal windows and each output batch's tokens
+count in the window in which they reached the frontend.
 """
 
 from __future__ import annotations
@@ -147,7 +152,14 @@ def timeseries(result: SimResult, num_windows: int = NUM_WINDOWS) -> dict[str, A
             "output_throughput_per_gpu": throughput.tolist(), "balancedness": balance}
 
 
-def to_json(result: SimResult) -> dict[str, Any]:
+def decode_gpus(result: SimResult) -> int:
+    """GPUs of the pool whose steps produce the output tokens: the decode pool of a
+    disaggregated deployment, else the whole deployment."""
+    decode = result.config.get("decode")
+    return int(decode["num_ranks"]) if isinstance(decode, dict) else max(result.num_gpus, 1)
+
+
+def to_json(result: SimResult, num_windows: int = NUM_WINDOWS) -> dict[str, Any]:
     """The run's summary as plain JSON types."""
     done = _finished(result)
     start, end = _span(result)
@@ -155,7 +167,11 @@ def to_json(result: SimResult) -> dict[str, Any]:
     output_tokens = sum(r.num_output_tokens for r in done)
     prompt_tokens = sum(r.num_prompt_tokens for r in done)
     gpus = max(result.num_gpus, 1)
+    per_decode_gpu = gpus / decode_gpus(result)
     rate = (lambda amount: amount / duration) if duration > 0 else (lambda amount: 0.0)
+    series = timeseries(result, num_windows)
+    windows = series["output_throughput_per_gpu"]
+    median_window = float(np.median(windows)) if windows else 0.0
     return {
         "num_requests": len(result.requests),
         "num_finished": len(done),
@@ -168,12 +184,16 @@ def to_json(result: SimResult) -> dict[str, Any]:
         "total_throughput": rate(output_tokens + prompt_tokens),
         "output_throughput_per_gpu": rate(output_tokens) / gpus,
         "total_throughput_per_gpu": rate(output_tokens + prompt_tokens) / gpus,
+        "decode_gpus": decode_gpus(result),
+        "output_throughput_per_decode_gpu": rate(output_tokens) / gpus * per_decode_gpu,
+        "median_window_output_throughput_per_gpu": median_window,
+        "median_window_output_throughput_per_decode_gpu": median_window * per_decode_gpu,
         **{f"{name}_ms": latency_stats(values) for name, values in _latencies(done).items()},
         "balancedness": {pool: _balancedness(steps)
                          for pool, steps in _steps_by_pool(result.steps).items()},
         "step_breakdown": {pool: _breakdown(steps)
                            for pool, steps in _steps_by_pool(result.steps).items()},
-        "timeseries": timeseries(result),
+        "timeseries": series,
         "num_steps": len(result.steps),
         "sim_wall_s": result.sim_wall_s,
         "config": result.config,
@@ -195,6 +215,10 @@ def format_table(summary: dict[str, Any]) -> str:
         f"throughput    {s['output_throughput_per_gpu']:.1f} output tok/s/GPU, "
         f"{s['total_throughput_per_gpu']:.1f} total tok/s/GPU, "
         f"{s['request_throughput']:.2f} req/s",
+        f"steady        {s['median_window_output_throughput_per_gpu']:.1f} output tok/s/GPU in "
+        f"the median window; per decode GPU ({s['decode_gpus']}): "
+        f"{s['output_throughput_per_decode_gpu']:.1f} over the run, "
+        f"{s['median_window_output_throughput_per_decode_gpu']:.1f} in the median window",
         "",
         f"{'latency (ms)':<14}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}",
     ]
