@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2e.server_harness import (
     MODEL_ARCH, REQUEST_TIMEOUT_S, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ServerProcess, children,
+    running, wait_until,
 )
 from tests.e2e.test_process_lifecycle import _wait_gone
 from widellm.worker.model_runner import TEST_STEP_SLEEP_ENV
@@ -26,7 +27,8 @@ NUM_PLAIN = 2
 MAX_TOKENS = 300
 LONG_DRAIN_S = 60.0
 SHORT_DRAIN_S = 0.5
-# Steps slowed by the runner's test hook, so 300 tokens take >= 3 s: past the short drain.
+# Steps slowed by the runner's test hook, so 300 tokens take >= 3 s: past the short drain,
+# and long enough that every request is seen running before the SIGTERM.
 STEP_SLEEP_S = 0.01
 POLL_S = 0.02
 
@@ -58,7 +60,9 @@ def _plain(url: str) -> httpx.Response:
 
 def _sigterm_under_load(server: ServerProcess):
     """Start the streams and plain requests, SIGTERM the server once every stream has its
-    first chunk; returns (stream events per stream, plain responses, exit code, core pids)."""
+    first chunk and every request is running (a plain request still connecting would be
+    refused, not drained); returns (stream events per stream, plain responses, exit code,
+    core pids)."""
     server.wait_ready()
     cores = children(server.proc.pid)  # the engine core and any helper
     with concurrent.futures.ThreadPoolExecutor(NUM_STREAMS + NUM_PLAIN) as pool:
@@ -67,6 +71,8 @@ def _sigterm_under_load(server: ServerProcess):
         plain = [pool.submit(_plain, server.url) for _ in range(NUM_PLAIN)]
         concurrent.futures.wait(started, timeout=REQUEST_TIMEOUT_S)
         assert all(f.done() for f in started)
+        wait_until(lambda: running(server) == NUM_STREAMS + NUM_PLAIN, REQUEST_TIMEOUT_S,
+                   "every request to run")
         server.proc.send_signal(signal.SIGTERM)
         events = [f.result() for f in streams]
         responses = [f.result() for f in plain]
@@ -79,7 +85,8 @@ def _serve(model_dir, tmp_path, drain_s: float) -> ServerProcess:
                          ["--shutdown-timeout", str(drain_s)])
 
 
-def test_sigterm_lets_running_requests_finish(model_dir, tmp_path):
+def test_sigterm_lets_running_requests_finish(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(TEST_STEP_SLEEP_ENV, str(STEP_SLEEP_S))
     server = _serve(model_dir, tmp_path, LONG_DRAIN_S)
     try:
         events, responses, code, cores = _sigterm_under_load(server)
