@@ -167,7 +167,7 @@ def to_json(result: SimResult, num_windows: int = NUM_WINDOWS) -> dict[str, Any]
     output_tokens = sum(r.num_output_tokens for r in done)
     prompt_tokens = sum(r.num_prompt_tokens for r in done)
     gpus = max(result.num_gpus, 1)
-    per_decode_gpu = gpus / decode_gpus(result)
+    n_decode = decode_gpus(result)
     rate = (lambda amount: amount / duration) if duration > 0 else (lambda amount: 0.0)
     series = timeseries(result, num_windows)
     windows = series["output_throughput_per_gpu"]
@@ -184,10 +184,10 @@ def to_json(result: SimResult, num_windows: int = NUM_WINDOWS) -> dict[str, Any]
         "total_throughput": rate(output_tokens + prompt_tokens),
         "output_throughput_per_gpu": rate(output_tokens) / gpus,
         "total_throughput_per_gpu": rate(output_tokens + prompt_tokens) / gpus,
-        "decode_gpus": decode_gpus(result),
-        "output_throughput_per_decode_gpu": rate(output_tokens) / gpus * per_decode_gpu,
+        "decode_gpus": n_decode,
+        "output_throughput_per_decode_gpu": rate(output_tokens) / n_decode,
         "median_window_output_throughput_per_gpu": median_window,
-        "median_window_output_throughput_per_decode_gpu": median_window * per_decode_gpu,
+        "median_window_output_throughput_per_decode_gpu": median_window * gpus / n_decode,
         **{f"{name}_ms": latency_stats(values) for name, values in _latencies(done).items()},
         "balancedness": {pool: _balancedness(steps)
                          for pool, steps in _steps_by_pool(result.steps).items()},

@@ -43,7 +43,6 @@ _ZIPF_ORDER_STREAM = 11
 
 def moe_dims(hf_config: Any) -> tuple[int, int, int]:
     """``(routed experts, experts per token, MoE layers)`` of a HF config."""
-
     num_experts = (getattr(hf_config, "n_routed_experts", None)
                    or getattr(hf_config, "num_local_experts", None)
                    or getattr(hf_config, "num_experts", None))

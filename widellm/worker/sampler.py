@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from widellm.sampling_params import SAMPLING_EPS
-from widellm.worker.sampling_metadata import SamplingMetadata, host_to_device
+from widellm.worker.sampling_metadata import SamplingMetadata, pad_rows
 
 # How many of the most likely tokens top-p examines before falling back to a full sort.
 TOP_P_CANDIDATES = 1024
@@ -228,9 +228,7 @@ def _output_ids_tensor(
     output_token_ids: list[list[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
     """[B, max_len] int64, padded and with out-of-vocab ids (placeholders) set to vocab_size."""
-    width = max((len(ids) for ids in output_token_ids), default=0)
-    padded = [ids + [vocab_size] * (width - len(ids)) for ids in output_token_ids]
-    ids = host_to_device(padded, torch.int64, device).reshape(len(padded), width)
+    ids = pad_rows(output_token_ids, pad=vocab_size, device=device)
     return ids.masked_fill_((ids < 0) | (ids >= vocab_size), vocab_size)
 
 

@@ -142,7 +142,7 @@ class SamplingMetadata:
                 prompt_token_ids[i] if r != NO_REPETITION_PENALTY else ()
                 for i, r in enumerate(repetition)
             ]
-            prompt_tensor = _pad_rows(prompt_rows, pad=vocab_size, device=device)
+            prompt_tensor = pad_rows(prompt_rows, pad=vocab_size, device=device)
 
         logprob_counts = [p.logprobs for p in params_list if p.logprobs is not None]
 
@@ -188,7 +188,7 @@ def _logit_bias(params_list: Sequence[SamplingParams], device: torch.device | st
             host_to_device(biases, torch.float32, device))
 
 
-def _pad_rows(
+def pad_rows(
     rows: Sequence[Sequence[int]], pad: int, device: torch.device | str
 ) -> torch.Tensor:
     """[B, max_len] int64 of ``rows``, right-padded with ``pad``."""
