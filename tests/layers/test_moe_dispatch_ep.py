@@ -219,7 +219,10 @@ def _rank_fixed_variants(rank: int, world_size: int) -> dict[str, list[int]]:
         # Given the call's agreed counts, the bound is theirs: roomy capacities skip the check.
         assert dispatcher.overflow_impossible(TOP_K, [max_tokens, 1]) == (
             kwargs["capacity"] >= worst)
-        assert dispatcher.capturable([max_tokens, 1], TOP_K) == (kwargs["capacity"] >= worst)
+        # A graph records one shape: only blocks of the whole capacity can be captured.
+        assert not dispatcher.capturable([max_tokens, 1], TOP_K)
+        full = _make("all2all_fixed", rank, world_size, size_per_step=False, **kwargs)
+        assert full.capturable([max_tokens, 1], TOP_K) == (kwargs["capacity"] >= worst)
         received[name] = _check_backend("all2all_fixed", rank, world_size, torch.float32, FP32_TOL, **kwargs)
     if rank == 0:
         # The static promise is checked on the host: a bigger batch is refused.

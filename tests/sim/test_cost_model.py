@@ -160,3 +160,23 @@ def test_kv_transfer_time_by_hand():
 def test_bad_dtype_rejected():
     with pytest.raises(ValueError):
         make_cost_model(DEEPSEEK_V3, H100, DeploymentShape(8), weight_dtype="int3")
+
+
+def test_fixed_capacity_blocks_are_sized_per_step():
+    """Where the fixed exchange moves whole blocks (gloo), a block holds the step's largest
+    rank's tokens rounded up to a power of two, times min(top_k, experts per rank): 20 decode
+    tokens per rank of DeepSeek-V3-small (top-6) at EP2 move 32 x 6 rows per rank pair, as a
+    buffer of that capacity would; 256 tokens fill the 1,536-row buffer."""
+    full_buffer = dataclasses.replace(ROUND, fixed_a2a_full_buffer=True)
+    dep = DeploymentShape(2, ranks_per_node=2, all2all_backend="all2all_fixed")
+
+    def dispatch_s(capacity, seqs):
+        model = make_cost_model(DEEPSEEK_V3_SMALL, full_buffer, dep,
+                                all2all_fixed_capacity=capacity)
+        return model.step(decode_loads(DEEPSEEK_V3_SMALL, seqs, 100, 2, 2), False)[0] \
+            .breakdown["dispatch"]
+
+    assert dispatch_s(1536, 20) == pytest.approx(dispatch_s(32 * 6, 20))
+    assert dispatch_s(1536, 20) == pytest.approx(dispatch_s(1536, 32))
+    assert dispatch_s(1536, 20) < dispatch_s(1536, 33)
+    assert dispatch_s(1536, 256) == pytest.approx(dispatch_s(1536, 300))

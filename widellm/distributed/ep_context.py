@@ -26,6 +26,9 @@ class ExpertParallelContext:
         num_redundant_experts: physical expert slots beyond the logical experts (EPLB
             replicas); physical slots are split contiguously over the ranks.
         enable_eplb: route through replicas and record expert load (EPLB).
+        fixed_size_per_step: the fixed-capacity exchange moves blocks sized for each step's
+            agreed rows, not the whole capacity (False where decode graphs record it: a
+            graph's exchange must have one shape whatever the other ranks run).
     """
 
     rank: int
@@ -37,6 +40,7 @@ class ExpertParallelContext:
     max_seqs_per_rank: int = 1
     num_redundant_experts: int = 0
     enable_eplb: bool = False
+    fixed_size_per_step: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -76,6 +80,7 @@ class ExpertParallelContext:
             rows_per_token = min(top_k, self.num_physical(num_experts) // self.size)
             kwargs["capacity"] = self.fixed_capacity or self.max_seqs_per_rank * rows_per_token
             kwargs["max_tokens_per_rank"] = self.max_tokens_per_rank
+            kwargs["size_per_step"] = self.fixed_size_per_step
         if self.all2all_backend == "auto":  # decode steps fixed, the others variable
             kwargs["decode_rows"] = self.max_seqs_per_rank
         return kwargs

@@ -130,7 +130,8 @@ class EngineArgs:
         "choices": ALL2ALL_BACKENDS})
     all2all_fixed_capacity: int | None = field(default=None, metadata={
         "help": "rows per rank pair of the all2all_fixed buffers (default: enough for any "
-                "decode step; larger batches spill through a checked second round)"})
+                "decode step; larger batches spill through a checked second round); without "
+                "CUDA graphs each step moves only the rows its largest rank can need"})
     enable_dbo: str | bool = field(default="off", metadata={
         "help": "dual-batch overlap under expert parallelism: each step runs as two "
                 "micro-batches, one's MoE all-to-all overlapping the other's compute; "

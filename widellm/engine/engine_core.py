@@ -92,6 +92,7 @@ class EngineCore:
                 max_seqs_per_rank=config.scheduler_config.max_num_seqs,
                 num_redundant_experts=config.eplb_config.num_redundant_experts,
                 enable_eplb=config.eplb_config.enable_eplb,
+                fixed_size_per_step=not config.scheduler_config.cudagraph_capture_sizes,
             )
         self.step_timer = (StepTimer(synchronize=config.on_cuda)
                            if config.observability_config.collect_step_breakdown else None)

@@ -47,6 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from widellm.layers.moe.dispatch_all2all_fixed import step_capacity
 from widellm.sim import links
 from widellm.sim.dbo_pipeline import two_batch_pipeline
 from widellm.sim.hardware import HardwareProfile
@@ -226,7 +227,9 @@ class AnalyticCostModel:
                 and self.all2all_fixed_capacity):
             peers = d.num_ranks - 1
             on_node = min(d.ranks_per_node, d.num_ranks) - 1
-            block = self.all2all_fixed_capacity
+            # Blocks sized for the step's largest rank, as the engine's eager steps send them.
+            block = step_capacity(self.all2all_fixed_capacity, math.ceil(t_max),
+                                  min(s.top_k, int(self.local_experts)))
             intra, inter = on_node * block, (peers - on_node) * block
         f = p.a2a_in_pipeline_factor
         return (f * links.all_to_all_time(p, intra * d_row, inter * d_row, "dispatch",
@@ -381,7 +384,7 @@ def make_cost_model(hf_config: Any, profile: HardwareProfile, deployment: Deploy
     """The cost model of ``hf_config`` (HF config dict or object) on ``profile`` for one pool.
     ``kwargs``: ``act_dtype`` and ``kv_dtype`` (default "bf16", "fp32" for fp32 weights: the
     engine's ``--dtype``), ``all2all_fixed_capacity`` (rows per rank pair of widellm's
-    fixed-capacity buffers, which a gloo exchange moves whole)."""
+    fixed-capacity buffers, of which a gloo exchange moves a whole block sized per step)."""
     default_act = "fp32" if weight_dtype == "fp32" else "bf16"
     kwargs.setdefault("act_dtype", default_act)
     kwargs.setdefault("kv_dtype", default_act)

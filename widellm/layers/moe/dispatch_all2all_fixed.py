@@ -23,6 +23,14 @@ Overflow (more than ``capacity`` pairs from one rank for one destination) is nev
   repeated experts within a token (a broken router) trip a device-side assert instead of
   being dropped.
 
+*Sized per step* (the default, off where decode graphs record the exchange): ``capacity`` is
+the most a block holds; a call whose ranks agreed their token counts moves blocks of
+:func:`step_capacity` rows, enough for the largest rank's tokens (rounded up to a power of two),
+so a decode step of 32 tokens per rank does not move the 256-sequence buffers (gloo and NCCL
+move the whole block, used or not: 8x the bytes at that size). Every rank derives the size from
+the same agreed counts, so the blocks match. A CUDA graph records one shape while each rank
+replays its own size, so an engine that captures graphs keeps the full capacity.
+
 The contract shared by all expert-parallel backends is in :mod:`widellm.layers.moe.dispatch_ep`.
 """
 
@@ -49,9 +57,24 @@ from widellm.layers.moe.dispatch_ep import (
 )
 
 
+def step_capacity(capacity: int, max_tokens: int | None, rows_per_token: int) -> int:
+    """Rows per block of a call whose largest rank holds ``max_tokens`` tokens (None: not
+    agreed): ``capacity`` at most, else enough for that rank's worst case, its token count
+    rounded up to a power of two (few distinct sizes recur) times the rows one token can need
+    on one destination (``min(top_k, experts per rank)``).
+
+    E.g. capacity 1536 (256 sequences x 6), 20 tokens, 6 rows per token: 32 x 6 = 192 rows.
+    """
+    if max_tokens is None:
+        return capacity
+    return min(capacity, (1 << max(max_tokens - 1, 0).bit_length()) * rows_per_token)
+
+
 @dataclass
 class _FixedDispatchHandle(DispatchHandle):
     work: TrackedWork
+    # Rows per block of this call (see step_capacity).
+    capacity: int
     codec: RowCodec
     # [ep_size * capacity, row_bytes] packed rows received, `capacity` per source rank.
     recv: torch.Tensor
@@ -90,6 +113,8 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         capacity: rows per (source, destination) block.
         max_tokens_per_rank: the most tokens any rank passes to ``dispatch_launch``, if known;
             with a large enough ``capacity`` it turns the overflow check off (module docstring).
+        size_per_step: move blocks sized for the call's agreed token counts (False: always
+            ``capacity`` rows, the one shape a CUDA graph can record for every rank).
     """
 
     def __init__(
@@ -99,6 +124,7 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         group: dist.ProcessGroup,
         capacity: int,
         max_tokens_per_rank: int | None = None,
+        size_per_step: bool = True,
     ) -> None:
         super().__init__(expert_map, group=group)
         if capacity < 1:
@@ -107,6 +133,7 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
             raise ValueError(f"max_tokens_per_rank must be >= 0, got {max_tokens_per_rank}")
         self.capacity = capacity
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.size_per_step = size_per_step
 
     def overflow_impossible(self, top_k: int, counts: Sequence[int] | None = None) -> bool:
         """Whether ``capacity`` covers the worst case for ``top_k``, so the check is skipped:
@@ -127,8 +154,9 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         return max(counts) if counts else self.max_tokens_per_rank
 
     def capturable(self, counts: Sequence[int], top_k: int) -> bool:
-        """Under the static bound: one all-to-all per direction of fixed shape."""
-        return self.overflow_impossible(top_k, counts)
+        """Under the static bound and at the full capacity: one all-to-all per direction
+        whose shape no rank's count changes."""
+        return not self.size_per_step and self.overflow_impossible(top_k, counts)
 
     def dispatch_launch(
         self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -140,7 +168,10 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         if static and num_tokens > bound:
             raise ValueError(f"{num_tokens} tokens > the {bound} the static capacity bound "
                              f"assumed")
-        ep_size, capacity = self.ep_size, self.capacity
+        ep_size = self.ep_size
+        capacity = (step_capacity(self.capacity, max(num_tokens_across_ranks),
+                                  min(top_k, self.experts_per_rank))
+                    if self.size_per_step and num_tokens_across_ranks else self.capacity)
         num_rows = ep_size * capacity
         weights = self.masked_weights(topk_ids, topk_weights)
         routing = sort_by_destination(topk_ids, self.experts_per_rank, ep_size)
@@ -183,7 +214,8 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         recv = codec.empty(num_rows, device)
         work = track(dist.all_to_all_single(recv, send, group=self.group, async_op=True))
         return _FixedDispatchHandle(
-            work=work, codec=codec, recv=recv, pair_rows=pair_rows, routing=routing,
+            work=work, capacity=capacity, codec=codec, recv=recv, pair_rows=pair_rows,
+            routing=routing,
             hidden_states=hidden_states, topk_ids=topk_ids, weights=weights,
             overflow=overflow, overflow_work=overflow_work,
         )
@@ -207,11 +239,11 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         """Send the pairs that did not fit through the variable-split path; every rank calls
         this (possibly with nothing to send) once any rank overflowed."""
         routing = handle.routing
-        left = (routing.dest < self.ep_size) & (routing.rank_in_dest >= self.capacity)
+        left = (routing.dest < self.ep_size) & (routing.rank_in_dest >= handle.capacity)
         spill = exchange_rows(
             handle.codec, handle.hidden_states, handle.topk_ids, handle.weights,
             positions=routing.order[left],
-            send_counts=(routing.counts - self.capacity).clamp(min=0),
+            send_counts=(routing.counts - handle.capacity).clamp(min=0),
             experts_per_rank=self.experts_per_rank,
             group=self.group,
         )
@@ -221,7 +253,7 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
 
     def combine_launch(self, expert_output: torch.Tensor, handle: DispatchHandle) -> CombineHandle:
         assert isinstance(handle, _FixedDispatchHandle)
-        num_rows = self.ep_size * self.capacity
+        num_rows = self.ep_size * handle.capacity
         back = expert_output.new_empty(num_rows + 1, expert_output.shape[-1])
         back[num_rows].zero_()
         work = track(dist.all_to_all_single(
@@ -244,7 +276,7 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         if handle.spill_work is not None:
             handle.spill_work.wait()
             # Spilled pairs read their rows after the fixed ones; the zero row moves last.
-            num_rows = self.ep_size * self.capacity
+            num_rows = self.ep_size * dispatch.capacity
             num_spilled = handle.spill_back.shape[0] - 1
             rows = torch.cat([handle.back[:num_rows], handle.spill_back])
             pair_rows = pair_rows.masked_fill(pair_rows == num_rows, num_rows + num_spilled)

@@ -44,14 +44,17 @@ class PerStepDispatcher(MoEDispatcher):
         capacity: rows per rank pair of the fixed-capacity buffers.
         max_tokens_per_rank: the most tokens a rank passes to ``dispatch_launch``.
         decode_rows: the most rows a decode step has on one rank (``max_num_seqs``).
+        size_per_step: the fixed-capacity exchange's blocks follow the step's agreed counts
+            (False where decode graphs record it).
     """
 
     def __init__(self, expert_map: torch.Tensor, *, group: dist.ProcessGroup, capacity: int,
-                 max_tokens_per_rank: int, decode_rows: int) -> None:
+                 max_tokens_per_rank: int, decode_rows: int, size_per_step: bool = True) -> None:
         super().__init__(expert_map)
         self.variable = All2AllDispatcher(expert_map, group=group)
         self.fixed = FixedCapacityAll2AllDispatcher(
-            expert_map, group=group, capacity=capacity, max_tokens_per_rank=max_tokens_per_rank)
+            expert_map, group=group, capacity=capacity, max_tokens_per_rank=max_tokens_per_rank,
+            size_per_step=size_per_step)
         self.decode_rows = decode_rows
 
     def choose(self, counts: Sequence[int]) -> MoEDispatcher:
