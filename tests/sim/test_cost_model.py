@@ -163,14 +163,16 @@ def test_bad_dtype_rejected():
 
 
 def test_fixed_capacity_blocks_are_sized_per_step():
-    """Where the fixed exchange moves whole blocks (gloo), a block holds the step's largest
-    rank's tokens rounded up to a power of two, times min(top_k, experts per rank): 20 decode
-    tokens per rank of DeepSeek-V3-small (top-6) at EP2 move 32 x 6 rows per rank pair, as a
-    buffer of that capacity would; 256 tokens fill the 1,536-row buffer."""
+    """Where the fixed exchange moves whole blocks (gloo), an eager step's block holds its
+    largest rank's tokens rounded up to a power of two, times min(top_k, experts per rank):
+    20 decode tokens per rank of DeepSeek-V3-small (top-6) at EP2 move 32 x 6 rows per rank
+    pair, as a buffer of that capacity would; 256 tokens fill the default 256 x 6 = 1,536-row
+    buffer, which a step under CUDA graphs always moves."""
     full_buffer = dataclasses.replace(ROUND, fixed_a2a_full_buffer=True)
-    dep = DeploymentShape(2, ranks_per_node=2, all2all_backend="all2all_fixed")
 
-    def dispatch_s(capacity, seqs):
+    def dispatch_s(capacity, seqs, graphs=False):
+        dep = DeploymentShape(2, ranks_per_node=2, all2all_backend="all2all_fixed",
+                              cuda_graphs=graphs, max_num_seqs=256)
         model = make_cost_model(DEEPSEEK_V3_SMALL, full_buffer, dep,
                                 all2all_fixed_capacity=capacity)
         return model.step(decode_loads(DEEPSEEK_V3_SMALL, seqs, 100, 2, 2), False)[0] \
@@ -180,3 +182,5 @@ def test_fixed_capacity_blocks_are_sized_per_step():
     assert dispatch_s(1536, 20) == pytest.approx(dispatch_s(1536, 32))
     assert dispatch_s(1536, 20) < dispatch_s(1536, 33)
     assert dispatch_s(1536, 256) == pytest.approx(dispatch_s(1536, 300))
+    assert dispatch_s(None, 20) == pytest.approx(dispatch_s(1536, 20))  # the default capacity
+    assert dispatch_s(None, 20, graphs=True) == pytest.approx(dispatch_s(1536, 256))

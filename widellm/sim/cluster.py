@@ -41,7 +41,8 @@ def deployment_shape(pool: PoolConfig) -> DeploymentShape:
         num_ranks=pool.num_ranks, ranks_per_node=pool.ranks_per_node,
         expert_parallel=pool.num_ranks > 1, all2all_backend=pool.all2all_backend,
         cuda_graphs=pool.cuda_graphs,
-        num_redundant_experts=pool.eplb.num_redundant_experts if pool.eplb.enable_eplb else 0)
+        num_redundant_experts=pool.eplb.num_redundant_experts if pool.eplb.enable_eplb else 0,
+        max_num_seqs=pool.max_num_seqs)
 
 
 def default_cost_model_factory(config: SimulationConfig) -> CostModelFactory:

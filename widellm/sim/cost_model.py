@@ -108,12 +108,16 @@ class AnalyticCostModel:
         self.weight_dtype = weight_dtype
         self.act_dtype = act_dtype
         self.kv_dtype = kv_dtype
-        self.all2all_fixed_capacity = all2all_fixed_capacity
         # Expert slots per rank (routed experts plus EPLB's redundant ones, split over the
         # ranks); fixed for the deployment.
         self.local_experts = ((shape.n_routed_experts + deployment.num_redundant_experts)
                               / deployment.num_ranks if deployment.expert_parallel
                               else shape.n_routed_experts)
+        # Rows one token can need on one rank; the engine's default capacity is a decode
+        # step's worth of them (``ExpertParallelContext.dispatcher_kwargs``).
+        self.rows_per_token = max(1, min(shape.top_k, int(self.local_experts)))
+        self.all2all_fixed_capacity = (all2all_fixed_capacity
+                                       or deployment.max_num_seqs * self.rows_per_token)
 
     # --- one GEMM-like op ---------------------------------------------------------------
     def gemm_time(self, rows: float, params: float, dtype: str) -> float:
@@ -223,13 +227,13 @@ class AnalyticCostModel:
         if mode == links.NORMAL:
             nodes = math.ceil(d.num_ranks / d.ranks_per_node)
             inter *= links.node_dedup_factor(s.top_k, nodes)
-        if (mode == links.LOW_LATENCY and p.fixed_a2a_full_buffer
-                and self.all2all_fixed_capacity):
+        if mode == links.LOW_LATENCY and p.fixed_a2a_full_buffer:
             peers = d.num_ranks - 1
             on_node = min(d.ranks_per_node, d.num_ranks) - 1
-            # Blocks sized for the step's largest rank, as the engine's eager steps send them.
-            block = step_capacity(self.all2all_fixed_capacity, math.ceil(t_max),
-                                  min(s.top_k, int(self.local_experts)))
+            # Whole blocks: of the capacity under graphs, else sized for the step's largest
+            # rank (the engine's ``step_capacity``).
+            block = (self.all2all_fixed_capacity if d.cuda_graphs else step_capacity(
+                self.all2all_fixed_capacity, math.ceil(t_max), self.rows_per_token))
             intra, inter = on_node * block, (peers - on_node) * block
         f = p.a2a_in_pipeline_factor
         return (f * links.all_to_all_time(p, intra * d_row, inter * d_row, "dispatch",
@@ -384,7 +388,8 @@ def make_cost_model(hf_config: Any, profile: HardwareProfile, deployment: Deploy
     """The cost model of ``hf_config`` (HF config dict or object) on ``profile`` for one pool.
     ``kwargs``: ``act_dtype`` and ``kv_dtype`` (default "bf16", "fp32" for fp32 weights: the
     engine's ``--dtype``), ``all2all_fixed_capacity`` (rows per rank pair of widellm's
-    fixed-capacity buffers, of which a gloo exchange moves a whole block sized per step)."""
+    fixed-capacity buffers, of which a gloo exchange moves whole blocks; default: the
+    engine's, ``max_num_seqs`` tokens' worth)."""
     default_act = "fp32" if weight_dtype == "fp32" else "bf16"
     kwargs.setdefault("act_dtype", default_act)
     kwargs.setdefault("kv_dtype", default_act)

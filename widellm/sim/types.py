@@ -83,6 +83,8 @@ class DeploymentShape:
             (widellm's names; the cost model maps them to a link-usage pattern).
         cuda_graphs: decode steps replay CUDA graphs (launch overhead of graphs, not eager).
         num_redundant_experts: EPLB's extra physical experts.
+        max_num_seqs: the most sequences of a rank's step, which the fixed-capacity buffers
+            are sized for (``all2all_fixed``; ``auto``'s decode steps).
     """
 
     num_ranks: int
@@ -91,6 +93,7 @@ class DeploymentShape:
     all2all_backend: str = "all2all"
     cuda_graphs: bool = True
     num_redundant_experts: int = 0
+    max_num_seqs: int = 256
 
 
 class CostModel(Protocol):
