@@ -18,7 +18,8 @@ Per operation (all per rank; sources of the constants in ``hardware.py``):
   its memory efficiency, whichever is longer. MLA decode is absorbed, prefill expanded (plus
   kv_b expanding the cached context of prompt chunks); see ``model_shape.py``.
 * Dispatch / combine: ``links.all_to_all_time`` over the routed copies' bytes (FP8 rows out,
-  BF16 rows back on GPUs), normal mode deduplicated per remote node.
+  BF16 rows back on GPUs), normal mode deduplicated per remote node; whole fixed-capacity
+  blocks where the link moves them (``fixed_a2a_full_buffer``: gloo).
 * Elementwise ops (norms, residual adds, activation functions, packing routed copies): the
   bytes of their activation passes (``NORM_RESIDUAL_PASSES`` ...) at the memory bandwidth.
 * Launch: kernels per layer (``KERNELS_PER_LAYER``) times the per-kernel host cost; on GPUs the
@@ -27,12 +28,11 @@ Per operation (all per rank; sources of the constants in ``hardware.py``):
   CPU every op's overhead adds to the step.
 
 Lockstep: every MoE layer's all-to-all ends when the slowest rank has reached it and the
-largest transfer is done, and the per-layer loads are means over layers, so the imbalance
-repeats every layer. A pool step is therefore, per MoE layer, ``max_r(pre) + max_r(dispatch)
-+ max_r(experts) + max_r(combine)`` (``pre``: attention, projections, router and shared
-experts), plus the dense layers before the first all-to-all and the LM head after the last
-(each the slowest rank's). Every rank's ``total_s`` is the pool's; what it did not spend
-busy is ``wait``.
+largest transfer is done; the per-layer loads are means over layers, so the imbalance repeats
+every layer. A pool step is, per MoE layer, ``max_r(pre) + max_r(dispatch) + max_r(experts) +
+max_r(combine)`` (``pre``: attention, projections, router and shared experts), plus the dense
+layers before the first all-to-all and the LM head after the last (each the slowest rank's).
+Every rank's ``total_s`` is the pool's; what it did not spend busy is ``wait``.
 
 DBO (``split``): each rank runs two micro-batches of half the counts (smaller GEMMs: a lower
 ``eff(M)`` and every weight read twice), and one micro-batch's all-to-all overlaps the
@@ -104,7 +104,10 @@ class AnalyticCostModel:
                 raise ValueError(f"{name} must be one of {sorted(DTYPE_BYTES)}, got {value!r}")
         self.shape = shape
         self.deployment = deployment
-        self.profile = _per_rank(profile, deployment)
+        # Ranks sharing one host (CPU) split its compute and memory bandwidth.
+        self.profile = (profile.shared_by(max(1, min(deployment.ranks_per_node,
+                                                     deployment.num_ranks)))
+                        if profile.ranks_share_host else profile)
         self.weight_dtype = weight_dtype
         self.act_dtype = act_dtype
         self.kv_dtype = kv_dtype
@@ -113,8 +116,7 @@ class AnalyticCostModel:
         self.local_experts = ((shape.n_routed_experts + deployment.num_redundant_experts)
                               / deployment.num_ranks if deployment.expert_parallel
                               else shape.n_routed_experts)
-        # Rows one token can need on one rank; the engine's default capacity is a decode
-        # step's worth of them (``ExpertParallelContext.dispatcher_kwargs``).
+        # Rows one token can need on one rank; the engine's default capacity: a decode step's.
         self.rows_per_token = max(1, min(shape.top_k, int(self.local_experts)))
         self.all2all_fixed_capacity = (all2all_fixed_capacity
                                        or deployment.max_num_seqs * self.rows_per_token)
@@ -230,8 +232,7 @@ class AnalyticCostModel:
         if mode == links.LOW_LATENCY and p.fixed_a2a_full_buffer:
             peers = d.num_ranks - 1
             on_node = min(d.ranks_per_node, d.num_ranks) - 1
-            # Whole blocks: of the capacity under graphs, else sized for the step's largest
-            # rank (the engine's ``step_capacity``).
+            # Whole blocks: the capacity under graphs, else the engine's ``step_capacity``.
             block = (self.all2all_fixed_capacity if d.cuda_graphs else step_capacity(
                 self.all2all_fixed_capacity, math.ceil(t_max), self.rows_per_token))
             intra, inter = on_node * block, (peers - on_node) * block
@@ -376,20 +377,12 @@ def _split_attention(load: RankStepLoad) -> tuple[float, float, float, float]:
     return dec_kv, max(0.0, pairs - dec_kv), dec_kv, kv - dec_kv
 
 
-def _per_rank(profile: HardwareProfile, deployment: DeploymentShape) -> HardwareProfile:
-    """Ranks sharing one host (CPU) split its compute and memory bandwidth."""
-    if not profile.ranks_share_host:
-        return profile
-    return profile.shared_by(max(1, min(deployment.ranks_per_node, deployment.num_ranks)))
-
-
 def make_cost_model(hf_config: Any, profile: HardwareProfile, deployment: DeploymentShape,
                     weight_dtype: str = "fp8", **kwargs: Any) -> AnalyticCostModel:
     """The cost model of ``hf_config`` (HF config dict or object) on ``profile`` for one pool.
     ``kwargs``: ``act_dtype`` and ``kv_dtype`` (default "bf16", "fp32" for fp32 weights: the
     engine's ``--dtype``), ``all2all_fixed_capacity`` (rows per rank pair of widellm's
-    fixed-capacity buffers, of which a gloo exchange moves whole blocks; default: the
-    engine's, ``max_num_seqs`` tokens' worth)."""
+    fixed-capacity buffers, whole blocks on gloo; default: the engine's)."""
     default_act = "fp32" if weight_dtype == "fp32" else "bf16"
     kwargs.setdefault("act_dtype", default_act)
     kwargs.setdefault("kv_dtype", default_act)
