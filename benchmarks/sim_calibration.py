@@ -4,6 +4,7 @@ the profile's host time per step), simulate each case; print every round and the
 
     .venv/bin/python benchmarks/sim_calibration.py [--rounds 3] [--num-prompts 32
         --input-len 64 --output-len 64] [--write-profile widellm/sim/profiles/cpu.json]
+        [--ep-backends all2all,all2all_fixed]
 
 Run it on an otherwise idle machine (the profile's timings and the engine runs share it).
 ``--write-profile`` saves the last round's calibrated profile (what ``--hardware cpu`` reads).
@@ -28,9 +29,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick-profile", action="store_true")
     parser.add_argument("--write-profile", default=None)
+    parser.add_argument("--ep-backends", default="all2all",
+                        help="comma-separated all-to-all backends of the DP2 + EP2 cases")
     args = parser.parse_args()
     shape = (args.num_prompts, args.input_len, args.output_len)
-    cases = [CalibrationCase("dp1", 1, *shape), CalibrationCase("dp2-ep2", 2, *shape)]
+    cases = [CalibrationCase("dp1", 1, *shape)] + [
+        CalibrationCase("dp2-ep2" + ("" if b == "all2all" else f"-{b}"), 2, *shape, b)
+        for b in args.ep_backends.split(",")]
     # Limits sized to the workload (the whole prompt batch in one step): the same steps as the
     # defaults, with less start-up warm-up.
     settings = EngineSettings(args.model, num_kv_blocks=1024, max_num_seqs=args.num_prompts,

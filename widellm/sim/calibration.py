@@ -32,13 +32,14 @@ PROBE_SEQS = 8
 
 @dataclass(frozen=True, slots=True)
 class CalibrationCase:
-    """One workload on one deployment (DP > 1 runs expert-parallel with ``all2all``)."""
+    """One workload on one deployment (DP > 1 runs expert-parallel with ``all2all_backend``)."""
 
     name: str
     data_parallel_size: int
     num_prompts: int
     input_len: int
     output_len: int
+    all2all_backend: str = "all2all"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +111,8 @@ def run_engine(settings: EngineSettings, case: CalibrationCase,
     llm = LLM(settings.model, dtype=settings.dtype, block_size=settings.block_size,
               num_kv_blocks=settings.num_kv_blocks, max_num_seqs=settings.max_num_seqs,
               max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed,
-              data_parallel_size=dp, enable_expert_parallel=dp > 1, all2all_backend="all2all")
+              data_parallel_size=dp, enable_expert_parallel=dp > 1,
+              all2all_backend=case.all2all_backend)
     try:
         # Each probe draws its prompts from its own seed: no prefix of the case's prompts may
         # be in the prefix cache when the case runs (the simulated case starts cold).
@@ -140,7 +142,8 @@ def simulate_case(settings: EngineSettings, profile: HardwareProfile,
             json.dump(profile.to_json_dict(), f)
         args = parser.parse_args([
             "--model", settings.model, "--hardware", path, "--enforce-eager",
-            "--num-ranks", str(case.data_parallel_size), "--all2all-backend", "all2all",
+            "--num-ranks", str(case.data_parallel_size),
+            "--all2all-backend", case.all2all_backend,
             "--weight-dtype", weight_dtype, "--block-size", str(settings.block_size),
             "--num-kv-blocks", str(settings.num_kv_blocks),
             "--max-num-seqs", str(settings.max_num_seqs),
