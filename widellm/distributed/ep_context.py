@@ -8,6 +8,18 @@ import torch
 import torch.distributed as dist
 
 
+def default_fixed_capacity(max_seqs_per_rank: int, top_k: int, experts_per_rank: int) -> int:
+    """Rows per rank pair of the fixed-capacity buffers unless ``--all2all-fixed-capacity``
+    sets them: a rank sends a destination at most one row per (token, expert held there), so
+    ``max_seqs_per_rank * min(top_k, experts_per_rank)`` fits any decode step and decode never
+    spills; a prefill may, and then takes the checked spill round. (Sizing for
+    max_num_batched_tokens instead would make the largest blocks that size.)
+
+    E.g. 256 sequences, top-6 routing, 32 experts per rank: 1,536 rows.
+    """
+    return max_seqs_per_rank * min(top_k, experts_per_rank)
+
+
 @dataclass(frozen=True, eq=False)
 class ExpertParallelContext:
     """This rank's place in the EP group and how its MoE layers move tokens.
@@ -73,12 +85,8 @@ class ExpertParallelContext:
         """Keyword arguments of the chosen dispatcher beyond the expert map."""
         kwargs: dict = {"group": self.group}
         if self.all2all_backend in ("all2all_fixed", "auto"):
-            # A rank sends a destination at most one row per (token, expert held there). The
-            # default fits any decode step, so decode never spills; a prefill may, and then
-            # takes the checked spill round. Sizing for max_num_batched_tokens instead would
-            # move that many rows every step, whatever the batch.
-            rows_per_token = min(top_k, self.num_physical(num_experts) // self.size)
-            kwargs["capacity"] = self.fixed_capacity or self.max_seqs_per_rank * rows_per_token
+            kwargs["capacity"] = self.fixed_capacity or default_fixed_capacity(
+                self.max_seqs_per_rank, top_k, self.num_physical(num_experts) // self.size)
             kwargs["max_tokens_per_rank"] = self.max_tokens_per_rank
             kwargs["size_per_step"] = self.fixed_size_per_step
         if self.all2all_backend == "auto":  # decode steps fixed, the others variable

@@ -47,6 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from widellm.distributed.ep_context import default_fixed_capacity
 from widellm.layers.moe.dispatch_all2all_fixed import step_capacity
 from widellm.sim import links
 from widellm.sim.dbo_pipeline import two_batch_pipeline
@@ -116,10 +117,9 @@ class AnalyticCostModel:
         self.local_experts = ((shape.n_routed_experts + deployment.num_redundant_experts)
                               / deployment.num_ranks if deployment.expert_parallel
                               else shape.n_routed_experts)
-        # Rows one token can need on one rank; the engine's default capacity: a decode step's.
-        self.rows_per_token = max(1, min(shape.top_k, int(self.local_experts)))
-        self.all2all_fixed_capacity = (all2all_fixed_capacity
-                                       or deployment.max_num_seqs * self.rows_per_token)
+        self.rows_per_token = min(shape.top_k, int(self.local_experts))
+        self.all2all_fixed_capacity = all2all_fixed_capacity or default_fixed_capacity(
+            deployment.max_num_seqs, shape.top_k, int(self.local_experts))
 
     # --- one GEMM-like op ---------------------------------------------------------------
     def gemm_time(self, rows: float, params: float, dtype: str) -> float:

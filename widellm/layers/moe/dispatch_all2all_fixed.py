@@ -146,7 +146,11 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
         bound = self._token_bound(counts)
         if bound is None:
             return False
-        return self.capacity >= bound * min(top_k, self.experts_per_rank)
+        return self.capacity >= bound * self.rows_per_token(top_k)
+
+    def rows_per_token(self, top_k: int) -> int:
+        """The most rows one token sends one rank: one per expert of its k held there."""
+        return min(top_k, self.experts_per_rank)
 
     def _token_bound(self, counts: Sequence[int] | None) -> int | None:
         """The most tokens a rank holds in a call: the agreed counts' largest, else the
@@ -169,8 +173,7 @@ class FixedCapacityAll2AllDispatcher(ExpertParallelDispatcher):
             raise ValueError(f"{num_tokens} tokens > the {bound} the static capacity bound "
                              f"assumed")
         ep_size = self.ep_size
-        capacity = (step_capacity(self.capacity, max(num_tokens_across_ranks),
-                                  min(top_k, self.experts_per_rank))
+        capacity = (step_capacity(self.capacity, bound, self.rows_per_token(top_k))
                     if self.size_per_step and num_tokens_across_ranks else self.capacity)
         num_rows = ep_size * capacity
         weights = self.masked_weights(topk_ids, topk_weights)
