@@ -30,8 +30,13 @@ LIMIT = DEFAULT_MAX_REQUEST_BODY_BYTES  # the server runs with the default
 # What the issue measured: a 50 MB body froze the server for 42.7 s.
 HUGE_BODY_BYTES = 50 * 1000 * 1000
 RSS_GROWTH_BUDGET_BYTES = 200 * 1000 * 1000
-# Refusing by length is a parse and a comparison; tokenizing 4 M characters takes seconds.
+# Refusing by length is a parse and a comparison; tokenizing 4 M characters takes seconds
+# (4.1 s for the tiny tokenizer on a 2-core EPYC).
 FAST_S = 1.0
+# A refusal is timed up to this many times and judged by its fastest try: on a 2-core box a
+# decoding engine core can stall the API server once for over a second (CI saw 1.26 s for a
+# refusal that does no work), while work a refusal should skip is slow on every try.
+TIMED_TRIES = 3
 CHUNK_BYTES = 64 << 10
 RSS_REPEATS = 3
 KIB = 1024
@@ -104,6 +109,20 @@ def _raw_request(server, head: str, body: bytes = b"") -> tuple[int, dict]:
         response = http.client.HTTPResponse(s)
         response.begin()
         return response.status, json.loads(response.read())
+
+
+def _post_timed(server, path: str, content: bytes) -> tuple[httpx.Response, float]:
+    """POST ``content`` up to ``TIMED_TRIES`` times, stopping once one answers within
+    ``FAST_S``; the last response and the fastest try's seconds."""
+    fastest = math.inf
+    for _ in range(TIMED_TRIES):
+        start = time.monotonic()
+        response = httpx.post(server.url + path, content=content, timeout=CLIENT_TIMEOUT_S,
+                              headers={"Content-Type": "application/json"})
+        fastest = min(fastest, time.monotonic() - start)
+        if fastest < FAST_S:
+            break
+    return response, fastest
 
 
 def _body_of_size(make, size: int) -> bytes:
@@ -214,10 +233,7 @@ def test_a_prompt_just_under_the_body_limit_is_refused_by_length_fast(server, mo
     body = _body_of_size(lambda n: {"prompt": "a" * n}, LIMIT)
     chars = len(json.loads(body)["prompt"])
     with monitor.window() as window:
-        start = time.monotonic()
-        response = httpx.post(server.url + COMPLETIONS, content=body, timeout=CLIENT_TIMEOUT_S,
-                              headers={"Content-Type": "application/json"})
-        elapsed = time.monotonic() - start
+        response, elapsed = _post_timed(server, COMPLETIONS, body)
     assert _assert_error(response, 400, "prompt") == _expected_length_error(
         "prompt", chars, longest_token)
     assert elapsed < FAST_S
@@ -234,10 +250,7 @@ def test_chat_content_just_under_the_body_limit_is_refused_by_length(server, mon
     rendered = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True)
     with monitor.window() as window:
-        start = time.monotonic()
-        response = httpx.post(server.url + CHAT, content=body, timeout=CLIENT_TIMEOUT_S,
-                              headers={"Content-Type": "application/json"})
-        elapsed = time.monotonic() - start
+        response, elapsed = _post_timed(server, CHAT, body)
     assert _assert_error(response, 400, "messages") == _expected_length_error(
         "messages", len(rendered), longest_token)
     assert elapsed < FAST_S
@@ -282,10 +295,7 @@ def test_hostile_values_get_a_400_naming_the_field(server, monitor, case):
     path, body, param = HOSTILE_BODIES[case]
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     with monitor.window() as window:
-        start = time.monotonic()
-        response = httpx.post(server.url + path, content=content, timeout=CLIENT_TIMEOUT_S,
-                              headers={"Content-Type": "application/json"})
-        elapsed = time.monotonic() - start
+        response, elapsed = _post_timed(server, path, content)
     message = _assert_error(response, 400, param)
     assert elapsed < FAST_S
     if "chat_template" in case:
