@@ -6,6 +6,7 @@
 # Usage: benchmarks/dbo_rounds.sh OUT_DIR ROUNDS WORKLOAD(decode|prefill) BACKEND "MODES"
 #   e.g. benchmarks/dbo_rounds.sh bench-results/dbo-rounds 3 decode all2all "off auto"
 # then: python benchmarks/dbo_rounds_table.py OUT_DIR
+#       python benchmarks/comm_split_table.py OUT_DIR  (exposed time: peers vs transfer)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=$1; ROUNDS=$2; WORKLOAD_NAME=$3; BACKEND=$4; read -r -a MODES <<< "$5"
@@ -22,6 +23,9 @@ for round in $(seq 1 "$ROUNDS"); do
     name="$WORKLOAD_NAME-$BACKEND-dbo_$mode-r$round"
     [ -f "$OUT/$name.json" ] && continue
     echo "== $name" >&2
+    # Each rank's MoE transfers, for benchmarks/comm_split_table.py.
+    mkdir -p "$OUT/$name.trace"
+    WIDELLM_COMM_TRACE_DIR="$OUT/$name.trace" \
     .venv/bin/widellm bench throughput $COMMON ${WORKLOAD[$WORKLOAD_NAME]} $EP \
         --enable-dbo "$mode" --output-json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 \
         || echo "FAILED, see $OUT/$name.log" >&2

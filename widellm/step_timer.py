@@ -30,15 +30,28 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from widellm.comm_trace import ExchangeLog
 
 
 class StepTimer:
-    def __init__(self, synchronize: bool = False) -> None:
+    def __init__(self, synchronize: bool = False, exchange_log: ExchangeLog | None = None,
+                 idle: bool = False) -> None:
         self.totals: defaultdict[str, float] = defaultdict(float)
         self._sync = synchronize
         # Seconds the calling thread has spent waiting for another micro-batch (see the module
         # docstring); set by the dual-batch runner for the length of a split forward.
         self.away_clock: Callable[[], float] = never_away
+        # Every MoE transfer, when traced (see widellm/comm_trace.py).
+        self.exchange_log = exchange_log
+        self.idle = idle
+
+    def for_idle(self) -> StepTimer | None:
+        """What a dummy batch's forward carries: with a trace on, a timer whose phases go
+        nowhere but whose transfers join the trace flagged idle (the ranks' traces must list
+        the same transfers to line up); without one, None (a dummy is timed whole)."""
+        if self.exchange_log is None:
+            return None
+        return StepTimer(exchange_log=self.exchange_log, idle=True)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

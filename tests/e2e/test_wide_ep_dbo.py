@@ -14,6 +14,7 @@ from tests.e2e.test_models_vs_hf import MAX_NEW_TOKENS, make_prompts
 from tests.e2e.test_wide_ep import (  # noqa: F401 (reference is a fixture)
     BACKENDS, PLACEMENT, generate, is_qwen3_moe, reference,
 )
+from widellm.comm_trace import COMM_TRACE_DIR_ENV, load, split_exposed
 from widellm.engine.llm import LLM
 from widellm.sampling_params import SamplingParams
 
@@ -63,9 +64,13 @@ def deepseek_reference(model_dir):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_step_breakdown_reports_exposed_and_hidden_communication(deepseek_reference, backend):
+def test_step_breakdown_reports_exposed_and_hidden_communication(deepseek_reference, backend,
+                                                                 monkeypatch, tmp_path):
     """Each rank's breakdown with DBO on: transfer time blocked on is part of the MoE exchange
-    stages, and some transfer time passed behind the other micro-batch's compute."""
+    stages, and some transfer time passed behind the other micro-batch's compute. The ranks'
+    exchange traces (widellm/comm_trace.py) line up, rank 1's idle dummy batches included, and
+    add up to the breakdown's exposed time."""
+    monkeypatch.setenv(COMM_TRACE_DIR_ENV, str(tmp_path))
     path, prompts, expected = deepseek_reference
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     with LLM(path, dtype="float32", num_kv_blocks=256, data_parallel_size=2,
@@ -78,6 +83,11 @@ def test_step_breakdown_reports_exposed_and_hidden_communication(deepseek_refere
     for b in breakdown.values():
         assert 0 < b["comm_exposed_s"] <= b["communication_s"], b
         assert b["comm_hidden_s"] > 0, b
+    logs = load(tmp_path)
+    assert len(logs) == 2 and any(e.idle for e in logs[1]) and not any(e.idle for e in logs[0])
+    for rank, split in enumerate(split_exposed(logs)):
+        assert split["exposed_s"] == pytest.approx(breakdown[rank]["comm_exposed_s"])
+        assert split["hidden_s"] == pytest.approx(breakdown[rank]["comm_hidden_s"])
 
 
 def summarize_ranks(raw: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:

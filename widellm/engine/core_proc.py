@@ -40,6 +40,7 @@ import msgspec
 import torch
 import zmq
 
+from widellm.comm_trace import trace_dir
 from widellm.config import EngineConfig
 from widellm.core.outputs import EngineCoreOutput, EplbStats
 from widellm.core.scheduler_stats import SchedulerStats
@@ -186,6 +187,9 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int,
             dp_rank, core.scheduler.kv_cache_manager.block_pool.num_blocks, os.getpid(),
             endpoint or None)))
         _CoreLoop(core, inp, out, encoder, dp_rank, groups, parent_pid).run()
+        log = core.step_timer.exchange_log if core.step_timer is not None else None
+        if log is not None:
+            log.dump(trace_dir() / f"rank{dp_rank}.json")
     except Exception as e:  # report, then die: the frontend fails in-flight requests
         logger.error("engine core failed:\n%s", traceback.format_exc())
         out.send(encoder.encode(EngineCoreOutputs(engine_error=f"{type(e).__name__}: {e}",

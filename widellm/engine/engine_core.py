@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
+from widellm.comm_trace import ExchangeLog, trace_dir
 from widellm.compute_threads import init_compute_thread
 from widellm.config import EngineConfig
 from widellm.core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -94,7 +95,7 @@ class EngineCore:
                 enable_eplb=config.eplb_config.enable_eplb,
                 fixed_size_per_step=not config.scheduler_config.cudagraph_capture_sizes,
             )
-        self.step_timer = (StepTimer(synchronize=config.on_cuda)
+        self.step_timer = (StepTimer(config.on_cuda, ExchangeLog() if trace_dir() else None)
                            if config.observability_config.collect_step_breakdown else None)
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Async scheduling: steps submitted to the runner thread, oldest first. With

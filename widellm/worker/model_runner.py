@@ -308,14 +308,15 @@ class ModelRunner:
         complete (as two micro-batches of as many rows when the ranks split the step)."""
         self._before_forward()
         dp_metadata = self._dp_metadata(DUMMY_BATCH_ROWS, dp_metadata)
+        # Not timed inside: its MoE communication is idle time, not this rank's own traffic.
+        idle = self.step_timer.for_idle() if self.step_timer is not None else None
         if split:
             with maybe_phase(self.step_timer, "dummy"):
-                self._dual_batch().run(split_dummy_batch(DUMMY_BATCH_ROWS, dp_metadata), None)
+                self._dual_batch().run(split_dummy_batch(DUMMY_BATCH_ROWS, dp_metadata), idle)
             return
         zeros = torch.zeros(DUMMY_BATCH_ROWS, dtype=torch.int64, device=self.config.device)
-        # Not timed inside: its MoE communication is idle time, not this rank's own traffic.
         with maybe_phase(self.step_timer, "dummy"), set_forward_context(
-                dummy_attention_metadata(DUMMY_BATCH_ROWS, self.config.device),
+                dummy_attention_metadata(DUMMY_BATCH_ROWS, self.config.device), idle,
                 dp_metadata=dp_metadata):
             self.model(zeros, zeros)
 

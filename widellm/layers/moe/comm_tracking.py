@@ -12,7 +12,8 @@ work's future, run by the process group's thread) and, when waited on, adds to t
 A transfer's life includes waiting for the slowest peer to launch its side, so both numbers
 count skew between ranks as communication, as a profiler would. A work handle without a
 future (gloo's all-gather and reduce-scatter into one tensor) counts as in flight until its
-wait. With no timer the wrapper only forwards ``wait``.
+wait. With no timer the wrapper only forwards ``wait``; with the timer's exchange log on, each
+transfer is also logged (``widellm/comm_trace.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 
 import torch.distributed as dist
 
+from widellm.comm_trace import Exchange
 from widellm.forward_context import current_forward_context
 from widellm.step_timer import StepTimer
 
@@ -28,12 +30,14 @@ from widellm.step_timer import StepTimer
 class TrackedWork:
     """A launched transfer: ``wait()`` blocks on it and records how much of it was exposed."""
 
-    __slots__ = ("work", "timer", "launched_at", "done_at")
+    __slots__ = ("work", "timer", "launched_at", "done_at", "seq")
 
     def __init__(self, work: dist.Work, timer: StepTimer | None) -> None:
         self.work, self.timer = work, timer
         self.launched_at = time.perf_counter()
         self.done_at: float | None = None
+        log = timer.exchange_log if timer is not None else None
+        self.seq = log.next_seq() if log is not None else -1
         if timer is not None:
             try:
                 work.get_future().add_done_callback(self._completed)
@@ -55,6 +59,9 @@ class TrackedWork:
         done = self.done_at if self.done_at is not None else start
         self.timer.add("comm_exposed", end - start)
         self.timer.add("comm_window", max(0.0, min(done, start) - self.launched_at))
+        if self.timer.exchange_log is not None:
+            self.timer.exchange_log.add(Exchange(self.seq, self.launched_at, self.done_at,
+                                                 start, end, self.timer.idle))
 
 
 def track(work: dist.Work) -> TrackedWork:

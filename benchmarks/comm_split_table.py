@@ -1,0 +1,46 @@
+"""Exposed MoE communication split into waiting for a peer and the transfer itself, per cell of
+benchmarks/dbo_rounds.sh's runs (each run's ``NAME.trace/rank*.json``, see
+widellm/comm_trace.py), medians over rounds, rank 0 / rank 1.
+
+Usage: python benchmarks/comm_split_table.py OUT_DIR
+
+Columns (seconds per rank over the run): exposed = blocked in a transfer's wait (the step
+breakdown's comm_exposed); peers = the part of it before the last rank had launched that
+transfer; transfer = the rest; hidden = in flight while the rank computed; duration = from the
+last launch to completion, summed (how long the transfers themselves took).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from widellm.comm_trace import load, split_exposed
+
+NAME = re.compile(r"(?P<cell>(?:decode|prefill)-\w+?-dbo_(?:off|on|auto))-r(?P<round>\d+)\.trace$")
+KEYS = ("exposed_s", "exposed_waiting_for_peers_s", "exposed_transfer_s", "hidden_s",
+        "transfer_s")
+
+
+def rows(out: Path) -> list[str]:
+    runs: dict[str, list[list[dict[str, float]]]] = defaultdict(list)
+    for path in sorted(out.glob("*.trace")):
+        if (m := NAME.match(path.name)) is not None and any(path.glob("rank*.json")):
+            runs[m["cell"]].append(split_exposed(load(path)))
+    lines = ["| cell | rounds | exposed | of it: waiting for a peer | of it: transfer | "
+             "hidden | transfer duration | peers / exposed |",
+             "|---|---:|---|---|---|---|---|---:|"]
+    for cell, splits in sorted(runs.items()):
+        ranks = range(len(splits[0]))
+        med = {k: [statistics.median(s[r][k] for s in splits) for r in ranks] for k in KEYS}
+        cols = [" / ".join(f"{v:.1f}" for v in med[k]) for k in KEYS]
+        share = sum(med["exposed_waiting_for_peers_s"]) / max(sum(med["exposed_s"]), 1e-9)
+        lines.append(f"| {cell} | {len(splits)} | " + " | ".join(cols) + f" | {share:.0%} |")
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(rows(Path(sys.argv[1]))))
