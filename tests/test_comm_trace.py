@@ -22,8 +22,8 @@ NUM_TRANSFERS = 3
 
 
 def test_the_docstring_example():
-    rank0 = [Exchange(0, 1.0, 3.9, 1.5, 4.0, False)]
-    rank1 = [Exchange(0, 3.0, 3.9, 3.5, 4.0, False)]
+    rank0 = [Exchange(0, 1.0, 3.9, 1.5, 4.0, False, 8)]
+    rank1 = [Exchange(0, 3.0, 3.9, 3.5, 4.0, False, 8)]
     got = split_exposed([rank0, rank1])
     assert got[0] == pytest.approx({
         "exposed_s": 2.5, "exposed_waiting_for_peers_s": 1.5, "exposed_transfer_s": 1.0,
@@ -35,17 +35,29 @@ def test_the_docstring_example():
 
 def test_idle_transfers_set_the_start_but_count_for_nobody():
     # Rank 1 ran a dummy batch: its launch at 3.0 still delays rank 0's transfer.
-    rank0 = [Exchange(0, 1.0, None, 1.0, 4.0, False)]
-    rank1 = [Exchange(0, 3.0, None, 3.0, 4.0, True)]
+    rank0 = [Exchange(0, 1.0, None, 1.0, 4.0, False, 8)]
+    rank1 = [Exchange(0, 3.0, None, 3.0, 4.0, True, 8)]
     got = split_exposed([rank0, rank1])
     assert got[0]["exposed_waiting_for_peers_s"] == 2.0
     assert got[0]["transfer_s"] == 1.0  # no completion time: until the wait ended
     assert got[1]["exchanges"] == 0 and got[1]["exposed_s"] == 0.0
 
 
+def test_a_token_bound_keeps_the_small_forwards():
+    # A prompt forward (4,096 rows) where rank 1 lags by 1.0, then a decode one (32 rows).
+    decode_step = Exchange(1, 3.0, 3.5, 3.0, 3.5, False, 32)
+    rank0 = [Exchange(0, 1.0, 2.5, 1.0, 2.5, False, 4096), decode_step]
+    rank1 = [Exchange(0, 2.0, 2.5, 2.0, 2.5, False, 4096), decode_step]
+    everything, decode = split_exposed([rank0, rank1]), split_exposed([rank0, rank1], 256)
+    assert everything[0]["exposed_waiting_for_peers_s"] == 1.0
+    assert decode[0] == pytest.approx({
+        "exposed_s": 0.5, "exposed_waiting_for_peers_s": 0.0, "exposed_transfer_s": 0.5,
+        "hidden_s": 0.0, "transfer_s": 0.5, "exchanges": 1})
+
+
 def test_logs_of_different_runs_are_refused():
-    one = [Exchange(0, 1.0, 2.0, 1.0, 2.0, False)]
-    two = one + [Exchange(1, 3.0, 4.0, 3.0, 4.0, False)]
+    one = [Exchange(0, 1.0, 2.0, 1.0, 2.0, False, 8)]
+    two = one + [Exchange(1, 3.0, 4.0, 3.0, 4.0, False, 8)]
     with pytest.raises(ValueError, match="rank 1 logged 2 exchanges, rank 0 1"):
         split_exposed([one, two])
 
@@ -60,8 +72,8 @@ def test_a_tracked_transfer_is_logged_in_launch_order(monkeypatch, tmp_path):
     second = TrackedWork(_ScriptedWork(complete_in_wait=True), timer.for_idle())
     second.wait()
     first.wait()
-    assert log.records == [Exchange(1, 2.0, 3.5, 3.0, 4.0, True),
-                           Exchange(0, 1.0, 4.5, 4.25, 5.0, False)]
+    assert log.records == [Exchange(1, 2.0, 3.5, 3.0, 4.0, True, -1),
+                           Exchange(0, 1.0, 4.5, 4.25, 5.0, False, -1)]
     log.dump(tmp_path / "rank0.json")
     assert load(tmp_path) == [sorted(log.records, key=lambda e: e.seq)]
     # The idle view's phases go nowhere; without a log a dummy batch carries no timer.

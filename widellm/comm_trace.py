@@ -36,6 +36,7 @@ class Exchange:
     wait_start: float
     wait_end: float
     idle: bool  # launched by a dummy batch (the rank had no work; not its own traffic)
+    tokens: int  # the forward's largest rank's rows (a micro-batch's under DBO); -1: unknown
 
 
 class ExchangeLog:
@@ -70,11 +71,14 @@ def load(directory: Path) -> list[list[Exchange]]:
     return [[Exchange(*row) for row in json.loads(p.read_text())] for p in paths]
 
 
-def split_exposed(logs: Sequence[Sequence[Exchange]]) -> list[dict[str, float]]:
+def split_exposed(logs: Sequence[Sequence[Exchange]],
+                  max_tokens: int | None = None) -> list[dict[str, float]]:
     """Per rank, its own (non-idle) transfers' time split by who it waited for.
 
     ``logs[r]``: rank r's exchanges; every rank must have logged the same seqs. A transfer
-    starts at ``ready``, the latest launch over the ranks. Keys, seconds summed over transfers:
+    starts at ``ready``, the latest launch over the ranks. ``max_tokens``: count only the
+    transfers of forwards of at most this many rows on the largest rank (e.g. decode steps
+    only). Keys, seconds summed over transfers:
 
     - ``exposed_s``: blocked in ``wait`` (the step breakdown's ``comm_exposed``);
     - ``exposed_waiting_for_peers_s``: the part of it before ``ready``;
@@ -101,7 +105,7 @@ def split_exposed(logs: Sequence[Sequence[Exchange]]) -> list[dict[str, float]]:
         t = dict.fromkeys(("exposed_s", "exposed_waiting_for_peers_s", "exposed_transfer_s",
                            "hidden_s", "transfer_s", "exchanges"), 0.0)
         for s, e in log.items():
-            if e.idle:
+            if e.idle or (max_tokens is not None and e.tokens > max_tokens):
                 continue
             exposed = e.wait_end - e.wait_start
             peers = min(max(0.0, ready[s] - e.wait_start), exposed)

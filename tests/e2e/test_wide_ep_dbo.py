@@ -84,7 +84,8 @@ def test_step_breakdown_reports_exposed_and_hidden_communication(deepseek_refere
         assert 0 < b["comm_exposed_s"] <= b["communication_s"], b
         assert b["comm_hidden_s"] > 0, b
     logs = load(tmp_path)
-    assert len(logs) == 2 and any(e.idle for e in logs[1]) and not any(e.idle for e in logs[0])
+    assert len(logs) == 2 and any(e.idle for e in logs[1])  # rank 1 runs out of work first
+    assert all(e.tokens > 0 for log in logs for e in log)
     for rank, split in enumerate(split_exposed(logs)):
         assert split["exposed_s"] == pytest.approx(breakdown[rank]["comm_exposed_s"])
         assert split["hidden_s"] == pytest.approx(breakdown[rank]["comm_hidden_s"])

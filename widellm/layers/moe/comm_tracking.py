@@ -30,10 +30,10 @@ from widellm.step_timer import StepTimer
 class TrackedWork:
     """A launched transfer: ``wait()`` blocks on it and records how much of it was exposed."""
 
-    __slots__ = ("work", "timer", "launched_at", "done_at", "seq")
+    __slots__ = ("work", "timer", "launched_at", "done_at", "seq", "tokens")
 
-    def __init__(self, work: dist.Work, timer: StepTimer | None) -> None:
-        self.work, self.timer = work, timer
+    def __init__(self, work: dist.Work, timer: StepTimer | None, tokens: int = -1) -> None:
+        self.work, self.timer, self.tokens = work, timer, tokens
         self.launched_at = time.perf_counter()
         self.done_at: float | None = None
         log = timer.exchange_log if timer is not None else None
@@ -61,10 +61,13 @@ class TrackedWork:
         self.timer.add("comm_window", max(0.0, min(done, start) - self.launched_at))
         if self.timer.exchange_log is not None:
             self.timer.exchange_log.add(Exchange(self.seq, self.launched_at, self.done_at,
-                                                 start, end, self.timer.idle))
+                                                 start, end, self.timer.idle, self.tokens))
 
 
 def track(work: dist.Work) -> TrackedWork:
     """Wrap a just-launched work handle (in the current forward context, if any)."""
     ctx = current_forward_context()
-    return TrackedWork(work, ctx.step_timer if ctx is not None else None)
+    if ctx is None:
+        return TrackedWork(work, None)
+    dp = ctx.dp_metadata
+    return TrackedWork(work, ctx.step_timer, dp.max_num_tokens if dp is not None else -1)
