@@ -2,7 +2,8 @@
 benchmarks/dbo_rounds.sh's runs (each run's ``NAME.trace/rank*.json``, see
 widellm/comm_trace.py), medians over rounds, rank 0 / rank 1.
 
-Usage: python benchmarks/comm_split_table.py OUT_DIR [MAX_TOKENS]
+Usage: python benchmarks/comm_split_table.py OUT_DIR|TRACE_DIR [MAX_TOKENS]
+(TRACE_DIR: one run's WIDELLM_COMM_TRACE_DIR, holding its rank*.json)
 
 With MAX_TOKENS, a second table counts only the transfers of forwards of at most that many rows
 on the largest rank (decode steps: a decode-heavy run's first steps are its prompts, whose
@@ -41,11 +42,16 @@ def launch_spread_ms(logs: list[list[Exchange]]) -> float:
 def rows(out: Path, max_tokens: int | None = None) -> list[str]:
     runs: dict[str, list[list[dict[str, float]]]] = defaultdict(list)
     spreads: dict[str, list[float]] = defaultdict(list)
+    # One run's trace directory, or dbo_rounds.sh's output with one NAME.trace per run.
+    traced = ({out.name: [out]} if any(out.glob("rank*.json")) else defaultdict(list))
     for path in sorted(out.glob("*.trace")):
         if (m := NAME.match(path.name)) is not None and any(path.glob("rank*.json")):
+            traced[m["cell"]].append(path)
+    for cell, paths in traced.items():
+        for path in paths:
             logs = load(path)
-            runs[m["cell"]].append(split_exposed(logs, max_tokens))
-            spreads[m["cell"]].append(launch_spread_ms(logs))
+            runs[cell].append(split_exposed(logs, max_tokens))
+            spreads[cell].append(launch_spread_ms(logs))
     lines = ["| cell | rounds | exposed | of it: waiting for a peer | of it: transfer | "
              "hidden | transfer duration | peers / exposed | launch spread ms |",
              "|---|---:|---|---|---|---|---|---:|---:|"]

@@ -12,7 +12,9 @@ cd "$(dirname "$0")/.."
 OUT=$1; ROUNDS=$2; WORKLOAD_NAME=$3; BACKEND=$4; read -r -a MODES <<< "$5"
 MODEL=${MODEL:-preset:deepseek-v3-small}
 COMMON="--model $MODEL --dtype float32 --kv-cache-memory 2GiB --collect-step-breakdown"
-EP="--data-parallel-size 2 --enable-expert-parallel --all2all-backend $BACKEND --async-scheduling"
+# ASYNC=0: synchronous scheduling (async scheduling is on otherwise).
+SCHED=$([ "${ASYNC:-1}" = 1 ] && echo --async-scheduling || echo --no-async-scheduling)
+EP="--data-parallel-size 2 --enable-expert-parallel --all2all-backend $BACKEND $SCHED"
 declare -A WORKLOAD=([decode]="--num-prompts 64 --input-len 128 --output-len 128"
                      [prefill]="--num-prompts 16 --input-len 2048 --output-len 16")
 mkdir -p "$OUT"
