@@ -82,9 +82,9 @@ def summarize(totals: dict[str, float]) -> dict[str, float]:
     """The breakdown in the issue's terms: attention and dense layers, routed experts,
     communication (the MoE exchange stages, packing included; of it, the time blocked on
     transfers is ``comm_exposed_s``), ``comm_hidden_s`` (transfer time that passed while the
-    rank computed, see ``layers/moe/comm_tracking.py``), idle (dummy batches + lockstep waits), sampling and
-    scheduling. Decode steps replayed as graphs count whole in ``graph_replay_s`` (a graph
-    cannot be timed inside)."""
+    rank computed, see ``layers/moe/comm_tracking.py``), idle (dummy batches + lockstep
+    waits), sampling and scheduling. Decode steps replayed as graphs count whole in
+    ``graph_replay_s`` (a graph cannot be timed inside)."""
     moe = totals.get("moe_dispatch", 0.0) + totals.get("moe_combine", 0.0)
     experts = totals.get("moe_experts", 0.0)
     return {
