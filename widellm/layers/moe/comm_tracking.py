@@ -67,7 +67,8 @@ class TrackedWork:
 def track(work: dist.Work) -> TrackedWork:
     """Wrap a just-launched work handle (in the current forward context, if any)."""
     ctx = current_forward_context()
-    if ctx is None:
-        return TrackedWork(work, None)
+    timer = ctx.step_timer if ctx is not None else None
+    if timer is None or timer.exchange_log is None:  # every MoE transfer: keep it cheap
+        return TrackedWork(work, timer)
     dp = ctx.dp_metadata
-    return TrackedWork(work, ctx.step_timer, dp.max_num_tokens if dp is not None else -1)
+    return TrackedWork(work, timer, dp.max_num_tokens if dp is not None else -1)
