@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_ranks
 from tests.layers.test_comm_tracking import _clock, _ScriptedWork
-from widellm.comm_trace import Exchange, ExchangeLog, load, split_exposed
+from widellm.comm_trace import COMM_TRACE_DIR_ENV, Exchange, ExchangeLog, load, split_exposed
+from widellm.engine.arg_utils import EngineArgs
 from widellm.layers.moe.comm_tracking import TrackedWork
 from widellm.step_timer import StepTimer
 
@@ -107,3 +108,9 @@ def test_a_late_rank_is_the_other_ranks_wait_for_a_peer():
     # Of rank 0's exposed time, what was not waiting for rank 1 is the transfer itself.
     assert early["exposed_s"] == pytest.approx(
         early["exposed_waiting_for_peers_s"] + early["exposed_transfer_s"])
+
+
+def test_a_trace_directory_without_the_step_breakdown_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setenv(COMM_TRACE_DIR_ENV, str(tmp_path))
+    with pytest.raises(ValueError, match="add --collect-step-breakdown"):
+        EngineArgs(model="preset:llama-tiny").create_engine_config()

@@ -8,6 +8,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 
+from widellm.comm_trace import COMM_TRACE_DIR_ENV, trace_dir
 from widellm.config import (
     ALL2ALL_BACKENDS, DBO_MODES, CacheConfig, EngineConfig, ModelConfig, ObservabilityConfig,
     ParallelConfig, SchedulerConfig, StructuredOutputsConfig, default_prefill_pad_multiple,
@@ -212,6 +213,9 @@ class EngineArgs:
         return list(names)
 
     def create_engine_config(self) -> EngineConfig:
+        if trace_dir() is not None and not self.collect_step_breakdown:
+            raise ValueError(f"{COMM_TRACE_DIR_ENV} is set, but the exchange trace is part of "
+                             f"the step breakdown: add --collect-step-breakdown (or unset it)")
         device = resolve_device(self.device)
         on_cuda = device == "cuda"
         path = resolve_model_path(self.model)
