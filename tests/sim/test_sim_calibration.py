@@ -41,20 +41,23 @@ def _round() -> tuple[bool, str]:
         f"{r.simulated.mean_step_s * 1e3:.1f} ({r.step_time_error:+.1%})" for r in rows)
     table += (f"\nhost time per step (probes): {fitted.step_overhead_s * 1e3:.1f} ms + "
               f"{fitted.step_overhead_per_seq_s * 1e3:.2f} ms per sequence")
-    assert fitted.step_overhead_s + fitted.step_overhead_per_seq_s > 0, table
     for row in rows:
         # Both sides ran the same requests to the end in the same steps (give or take the one
         # a DP > 1 client's step count, which comes with outputs, may lag by).
         assert abs(row.simulated.num_steps - row.real.num_steps) <= 1, table
-    within = all(abs(r.throughput_error) <= SINGLE_RUN_TOLERANCE
-                 and abs(r.step_time_error) <= SINGLE_RUN_TOLERANCE for r in rows)
+    # The probes always cost some host time here; a fit of none means they were disturbed
+    # (seen once, in a round whose DP2 run was also 30% slow), which the second round retries.
+    fit_found = fitted.step_overhead_s + fitted.step_overhead_per_seq_s > 0
+    within = fit_found and all(abs(r.throughput_error) <= SINGLE_RUN_TOLERANCE
+                               and abs(r.step_time_error) <= SINGLE_RUN_TOLERANCE for r in rows)
     return within, table
 
 
 @pytest.mark.timeout(900)
 def test_simulator_predicts_the_engine_on_this_machine():
     """One round within the bound passes; a first round outside it (a disturbed profile or
-    engine run: seen once in a clean-clone suite run, +29% on DP1's step time) gets a second."""
+    engine run: seen in clean-clone suite runs, +29% on DP1's step time once, a host-time fit
+    of zero and DP2 +31% another time) gets a second."""
     tables = []
     for _ in range(ROUNDS):
         within, table = _round()
