@@ -12,7 +12,9 @@ cd "$(dirname "$0")/.."
 OUT=$1; ROUNDS=$2; WORKLOAD_NAME=$3; BACKEND=$4; read -r -a MODES <<< "$5"
 MODEL=${MODEL:-preset:deepseek-v3-small}
 COMMON="--model $MODEL --dtype float32 --kv-cache-memory 2GiB --collect-step-breakdown"
-# ASYNC=0: synchronous scheduling (async scheduling is on otherwise).
+# ASYNC=0: synchronous scheduling (async scheduling is on otherwise). EXTRA: more bench flags
+# (no spaces inside one, e.g. --eplb-config '{"load_path":"load.json","static":true}'), and
+# TAG a suffix of the runs' names that tells them apart.
 SCHED=$([ "${ASYNC:-1}" = 1 ] && echo --async-scheduling || echo --no-async-scheduling)
 EP="--data-parallel-size 2 --enable-expert-parallel --all2all-backend $BACKEND $SCHED"
 declare -A WORKLOAD=([decode]="--num-prompts 64 --input-len 128 --output-len 128"
@@ -22,14 +24,14 @@ for round in $(seq 1 "$ROUNDS"); do
   n=${#MODES[@]}
   for k in $(seq 0 $((n - 1))); do
     mode=${MODES[$(((k + round - 1) % n))]}
-    name="$WORKLOAD_NAME-$BACKEND-dbo_$mode-r$round"
+    name="$WORKLOAD_NAME-$BACKEND${TAG:-}-dbo_$mode-r$round"
     [ -f "$OUT/$name.json" ] && continue
     echo "== $name" >&2
     # Each rank's MoE transfers, for benchmarks/comm_split_table.py.
     mkdir -p "$OUT/$name.trace"
     WIDELLM_COMM_TRACE_DIR="$OUT/$name.trace" \
     .venv/bin/widellm bench throughput $COMMON ${WORKLOAD[$WORKLOAD_NAME]} $EP \
-        --enable-dbo "$mode" --output-json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 \
+        --enable-dbo "$mode" ${EXTRA:-} --output-json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 \
         || echo "FAILED, see $OUT/$name.log" >&2
     tail -n 1 "$OUT/$name.log" >&2
   done

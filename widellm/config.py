@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from widellm.eplb.config import EPLBConfig  # noqa: F401 - part of the engine config
 from widellm.json_flags import parse_json_object
 from widellm.kv_transfer.config import KVTransferConfig
 
@@ -287,38 +288,6 @@ class ParallelConfig:
     def needs_lockstep(self) -> bool:
         """Every MoE forward is a collective across the EP group, so all ranks must step."""
         return self.expert_parallel_size > 1
-
-
-@dataclass(frozen=True, slots=True)
-class EPLBConfig:
-    """Expert-parallel load balancing: measure expert load over a window of steps, re-plan
-    replicas and placement every ``step_interval`` steps, move weights while serving."""
-
-    enable_eplb: bool = False
-    # Physical expert slots beyond the logical experts, for replicas of hot experts.
-    num_redundant_experts: int = 0
-    window_size: int = 1000  # steps of load kept
-    step_interval: int = 3000  # steps between rebalances
-    log_balancedness: bool = False
-    # A plan is applied only if it raises balancedness by at least this much: moving a layer
-    # stalls a step, and chasing the noise of a good placement costs more than it saves
-    # (measured: re-moving every layer every 16 steps to go from 0.98 to 0.998 cost ~7 s of a
-    # 50 s run; docs/BENCHMARKS.md). 0 applies every plan that is not worse.
-    min_balancedness_gain: float = 0.05
-
-    def __post_init__(self) -> None:
-        if self.num_redundant_experts < 0:
-            raise ValueError(
-                f"eplb_num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
-        if self.window_size < 1:
-            raise ValueError(f"eplb_window_size must be >= 1, got {self.window_size}")
-        if self.step_interval < 1:
-            raise ValueError(f"eplb_step_interval must be >= 1, got {self.step_interval}")
-        if not 0.0 <= self.min_balancedness_gain <= 1.0:
-            raise ValueError(f"eplb_min_balancedness_gain must be in [0, 1], got "
-                             f"{self.min_balancedness_gain}")
-        if self.num_redundant_experts and not self.enable_eplb:
-            raise ValueError("eplb_num_redundant_experts needs --enable-eplb")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,12 @@
 """EPLB end to end (gloo, CPU) on a tiny DeepSeek-V3 whose router favours a few experts on
 the first rank: rebalances happen mid-generation, weights move between ranks while requests
 run, greedy outputs stay token for token equal to the run without EPLB, and the measured
-balancedness rises from below 0.6 to above 0.85."""
+balancedness rises from below 0.6 to above 0.85. Offline EPLB: a run saves the load it
+routed, and a run placed by that file starts balanced and never moves a weight."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -64,6 +67,30 @@ def test_eplb_rebalances_mid_generation_with_equal_outputs(skewed, dp, extra):
     after = [b for _, b, applied in s.history if applied >= 1]
     assert after and max(after) > 0.85, s.history
     assert 0 < s.max_stall_s < 5.0
+
+
+def test_offline_eplb_saves_the_load_then_starts_balanced_from_it(skewed, tmp_path):
+    """The second run's first measured window is already balanced (the first test's is
+    below 0.6 on the same prompts) and ``static`` keeps the placement all run; both runs'
+    outputs equal one rank's."""
+    path, expected = skewed
+    saved = str(tmp_path / "load.json")
+    common = dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+                  eplb_num_redundant_experts=REDUNDANT, eplb_window_size=WINDOW)
+    got, stats = _generate(path, **common, eplb_config={"save_path": saved, "static": True})
+    assert got == expected
+    assert stats[0].initial_balancedness < 0.6 and stats[0].num_rebalances == 0
+    with open(saved) as f:
+        doc = json.load(f)
+    # Every MoE layer routes every token it sees top-k times: the layers' sums agree.
+    assert len({sum(row) for row in doc["load"]}) == 1 and sum(doc["load"][0]) > 0
+    assert doc["num_steps"] > 0 and doc["num_steps"] % WINDOW == WINDOW - 1
+    got, stats = _generate(path, **common, eplb_config={"load_path": saved, "static": True})
+    assert got == expected
+    s = stats[0]
+    assert s.initial_balancedness > 0.85, s.history
+    assert s.num_rebalances == 0 and s.max_stall_s == 0.0
+    assert all(b > 0.85 for _, b, _ in s.history), s.history
 
 
 def test_serve_keeps_completing_requests_across_rebalances(skewed, tmp_path):

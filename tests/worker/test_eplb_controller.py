@@ -2,9 +2,12 @@
 it re-plan and move weights one layer per step while forwards keep running; every forward's
 output equals all experts computed on one rank (also with FP8 experts, whose block scales
 move with their weights); and a move that fails on one rank leaves that layer's (and the
-later layers') old placement in force on every rank."""
+later layers') old placement in force on every rank. Offline EPLB: a run saves exactly the
+load it routed, and a run started from a recorded load begins on the planner's placement."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -82,7 +85,22 @@ def _reference(x: torch.Tensor, logits: torch.Tensor, layer: FusedMoE, index: in
     return local.combine_wait(local.combine_launch(out, handle))
 
 
-def _run(rank: int, world_size: int, fail_layer: int | None, fp8: bool = False) -> dict:
+def _inputs(rank: int, hidden: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's ``(x [TOKENS, hidden], router logits [TOKENS, E])`` on ``rank``."""
+    gen = torch.Generator().manual_seed(rank)
+    steps = []
+    for _ in range(STEPS):
+        x = torch.randn(TOKENS, hidden, generator=gen)
+        logits = torch.randn(TOKENS, NUM_EXPERTS, generator=gen)
+        # Experts 4 and 5 are hot: the initial placement keeps them (and their first
+        # replicas) on one rank, at 2 and at 4 ranks.
+        logits[:, HOT] += 4.0
+        steps.append((x, logits))
+    return steps
+
+
+def _run(rank: int, world_size: int, fail_layer: int | None, fp8: bool = False,
+         offline: dict | None = None) -> dict:
     ep = ExpertParallelContext(rank, world_size, dist.group.WORLD, "all2all", None, 64, 16,
                                num_redundant_experts=REDUNDANT, enable_eplb=True)
     hidden, inter = _sizes(fp8)
@@ -95,8 +113,10 @@ def _run(rank: int, world_size: int, fail_layer: int | None, fp8: bool = False) 
         _load(moe, i, fp8)
         layers.append(moe)
     config = EPLBConfig(enable_eplb=True, num_redundant_experts=REDUNDANT,
-                        window_size=WINDOW, step_interval=INTERVAL)
+                        window_size=WINDOW, step_interval=INTERVAL, **(offline or {}))
     controller = EplbController(layers, config, rank, world_size, 1, dist.group.WORLD)
+    controller.place_from_recorded_load()
+    start_p2l = [m.placement.phys_to_logical.tolist() for m in layers]
     if fail_layer is not None and rank == world_size - 1:
         real = collectives.prepare_layer_move
 
@@ -106,20 +126,14 @@ def _run(rank: int, world_size: int, fail_layer: int | None, fp8: bool = False) 
             return real(weights, plan, r)
 
         collectives.prepare_layer_move = flaky  # this rank's process only
-    gen = torch.Generator().manual_seed(rank)
     max_err = 0.0
-    for _ in range(STEPS):
+    for x, logits in _inputs(rank, hidden):
         controller.before_forward()
-        x = torch.randn(TOKENS, hidden, generator=gen)
-        logits = torch.randn(TOKENS, NUM_EXPERTS, generator=gen)
-        # Experts 4 and 5 are hot: the initial placement keeps them (and their first
-        # replicas) on one rank, at 2 and at 4 ranks.
-        logits[:, HOT] += 4.0
         for i, moe in enumerate(layers):
             got, ref = moe(x, logits), _reference(x, logits, moe, i, fp8)
             # Relative to the output's scale: ranks add their partial sums in another order.
             max_err = max(max_err, float((got - ref).abs().max() / ref.abs().max()))
-    return {"max_err": max_err, "stats": controller.stats,
+    return {"max_err": max_err, "stats": controller.stats, "start_p2l": start_p2l,
             "p2l": [m.placement.phys_to_logical.tolist() for m in layers],
             "dtypes": {str(p.dtype) for m in layers for p in m.expert_parameters()}}
 
@@ -160,3 +174,51 @@ def test_fp8_experts_move_with_their_scales():
         assert r["max_err"] < 1e-5
         assert r["stats"].num_rebalances >= 1 and r["stats"].num_failed_rebalances == 0
         assert all(r["p2l"][0].count(e) >= 2 for e in HOT)
+
+
+def test_save_path_records_exactly_the_routed_load(tmp_path):
+    """``static`` never re-plans, so every window is measured: the file holds the top-k
+    selections of every forward but the last (measured at steps 2, 4, .., 10, each window
+    holding the forwards before it), in logical ids, summed over both ranks."""
+    from widellm.eplb.load_file import load_expert_load
+    from widellm.layers.moe.router import select_experts
+
+    path = str(tmp_path / "load.json")
+    results = run_ranks(_run, 2, None, False, {"save_path": path, "static": True},
+                        timeout_s=TIMEOUT_S)
+    initial = ExpertPlacement.initial(NUM_EXPERTS, NUM_EXPERTS + REDUNDANT,
+                                      2).phys_to_logical.tolist()
+    expected = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
+    for rank in range(2):
+        for _, logits in _inputs(rank, HIDDEN)[:STEPS - 1]:
+            _, ids = select_experts(logits, TOP_K, scoring_func="softmax", renormalize=True)
+            expected += torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
+    saved = load_expert_load(path, NUM_LAYERS, NUM_EXPERTS)
+    assert saved.tolist() == [expected.tolist()] * NUM_LAYERS
+    assert int(saved[0].sum()) == 2 * (STEPS - 1) * TOKENS * TOP_K
+    with open(path) as f:
+        assert json.load(f)["num_steps"] == STEPS - 1
+    for r in results:
+        assert r["stats"].num_rebalances == 0 and r["p2l"] == [initial] * NUM_LAYERS
+
+
+def test_load_path_places_experts_before_the_first_step(tmp_path):
+    """A recorded load with experts 4 and 5 hot: both ranks start on the planner's placement
+    for it (the hot experts replicated), every forward is exact, and the first measured
+    window is already balanced (below 0.7 without the file, see the rebalance test)."""
+    from widellm.eplb.load_file import save_expert_load
+    from widellm.eplb.planner import rebalance_experts
+
+    recorded = torch.ones(NUM_LAYERS, NUM_EXPERTS, dtype=torch.int64)
+    recorded[:, HOT] = 50
+    path = str(tmp_path / "load.json")
+    save_expert_load(path, recorded, 100)
+    planned = rebalance_experts(recorded, NUM_EXPERTS + REDUNDANT, 1, 1, 2)[0].tolist()
+    results = run_ranks(_run, 2, None, False, {"load_path": path, "static": True},
+                        timeout_s=TIMEOUT_S)
+    for r in results:
+        assert r["start_p2l"] == planned == r["p2l"]
+        assert all(planned[0].count(e) >= 2 for e in HOT)
+        assert r["max_err"] < 1e-5
+        assert r["stats"].num_rebalances == 0 and r["stats"].num_failed_rebalances == 0
+        assert r["stats"].initial_balancedness > 0.8

@@ -12,20 +12,27 @@ from widellm.config import EPLBConfig
 from widellm.json_flags import parse_json_object
 
 FLAG = "eplb_config"
-# --eplb-config key -> (the flat EngineArgs field it aliases, the value's kind). The first four
-# are vLLM's keys; min_balancedness_gain is widellm's own (vLLM has no such threshold).
-EPLB_CONFIG_KEYS: dict[str, tuple[str, type]] = {
+# --eplb-config key -> (the flat EngineArgs field it aliases, or None for a key with no flat
+# flag; the value's kind). All are vLLM's keys but min_balancedness_gain, widellm's own (vLLM
+# has no such threshold).
+EPLB_CONFIG_KEYS: dict[str, tuple[str | None, type]] = {
     "window_size": ("eplb_window_size", int),
     "step_interval": ("eplb_step_interval", int),
     "num_redundant_experts": ("eplb_num_redundant_experts", int),
     "log_balancedness": ("eplb_log_balancedness", bool),
     "min_balancedness_gain": ("eplb_min_balancedness_gain", float),
+    # Offline EPLB (see widellm/eplb/config.py).
+    "load_path": (None, str),
+    "save_path": (None, str),
+    "static": (None, bool),
 }
 EPLB_CONFIG_HELP = (
     'expert-parallel load balancing settings as JSON (vLLM\'s): {"window_size": 1000, '
     '"step_interval": 3000, "num_redundant_experts": 0, "log_balancedness": false} (and '
-    'widellm\'s "min_balancedness_gain": 0.05); the flat --eplb-* flags are aliases of its '
-    "keys, and giving one with a different value than its key here is an error")
+    'widellm\'s "min_balancedness_gain": 0.05); offline EPLB: "save_path" keeps this run\'s '
+    'measured load in a file, "load_path" places the experts by such a file before the first '
+    'step, "static": true never re-plans while serving. The flat --eplb-* flags are aliases '
+    "of its keys, and giving one with a different value than its key here is an error")
 
 
 def _check_kind(key: str, value: Any, kind: type) -> None:
@@ -33,6 +40,8 @@ def _check_kind(key: str, value: Any, kind: type) -> None:
     # true), so each kind is checked exactly.
     if kind is bool:
         ok = isinstance(value, bool)
+    elif kind is str:
+        ok = isinstance(value, str) and value != ""
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     else:
@@ -66,6 +75,10 @@ def resolve_eplb_config(enable_eplb: bool, eplb_config: str | Mapping[str, Any] 
     settings = parse_eplb_config(eplb_config) if eplb_config is not None else {}
     values = {}
     for key, (field_name, _) in EPLB_CONFIG_KEYS.items():
+        if field_name is None:
+            if key in settings:
+                values[key] = settings[key]
+            continue
         value = flat[field_name]
         if key in settings:
             if value != flat_defaults[field_name] and value != settings[key]:

@@ -91,6 +91,11 @@ class PoolConfig:
             raise ValueError("dbo needs a pool of more than one rank")
         if self.eplb.enable_eplb and self.num_ranks < 2:
             raise ValueError("eplb needs a pool of more than one rank")
+        if self.eplb.load_path or self.eplb.save_path:
+            # The simulator prices one MoE layer standing for all; a per-layer file is the
+            # engine's (a recorded load is a workload's routing here, not a placement).
+            raise ValueError("eplb load_path / save_path are the engine's; the simulator "
+                             "does not read or write expert load files")
 
     @property
     def num_nodes(self) -> int:

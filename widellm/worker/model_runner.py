@@ -128,6 +128,7 @@ class ModelRunner:
             num_nodes = max(1, pc.data_parallel_size // pc.local_size)
             self.eplb = EplbController(self.moe_layers, config.eplb_config, ep.rank, ep.size,
                                        num_nodes, ep.group)
+            self.eplb.place_from_recorded_load()  # offline EPLB: before any step
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(self.kv_spec, num_blocks, self.config.device)
