@@ -27,7 +27,7 @@ import torch
 
 from widellm import LLM, SamplingParams
 from widellm.layers.moe.layer import FusedMoE
-from widellm.sim.routing import RECORDED_FORMAT
+from widellm.eplb.load_file import ROUTING_COUNTS_FORMAT
 
 DEFAULT_MODEL = "preset:deepseek-v3-tiny-skewed"
 # Ids below this are the presets' special tokens; random prompts avoid them.
@@ -79,7 +79,7 @@ def record(args: argparse.Namespace) -> dict:
         llm.shutdown()
     counts = counter.counts
     return {
-        "format": RECORDED_FORMAT, "model": args.model, "num_experts": counter.num_experts,
+        "format": ROUTING_COUNTS_FORMAT, "model": args.model, "num_experts": counter.num_experts,
         "top_k": counter.top_k, "num_tokens": (counts.sum(1) // counter.top_k).tolist(),
         "counts": counts.tolist(),
     }

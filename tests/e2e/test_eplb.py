@@ -83,7 +83,8 @@ def test_offline_eplb_saves_the_load_then_starts_balanced_from_it(skewed, tmp_pa
     with open(saved) as f:
         doc = json.load(f)
     # Every MoE layer routes every token it sees top-k times: the layers' sums agree.
-    assert len({sum(row) for row in doc["load"]}) == 1 and sum(doc["load"][0]) > 0
+    assert len({sum(row) for row in doc["counts"]}) == 1 and sum(doc["counts"][0]) > 0
+    assert len(set(doc["num_tokens"])) == 1
     assert doc["num_steps"] > 0 and doc["num_steps"] % WINDOW == WINDOW - 1
     got, stats = _generate(path, **common, eplb_config={"load_path": saved, "static": True})
     assert got == expected

@@ -26,37 +26,37 @@ def _eplb(args: EngineArgs) -> EPLBConfig:
 def test_round_trip_is_exact_and_leaves_no_temporary_file(tmp_path):
     load = torch.tensor([[10, 0, 3, 3], [1, 1, 1, 13]])
     path = str(tmp_path / "load.json")
-    save_expert_load(path, load, num_steps=16)
+    save_expert_load(path, load, top_k=2, num_steps=16)
     assert load_expert_load(path, 2, 4).tolist() == [[10, 0, 3, 3], [1, 1, 1, 13]]
     with open(path) as f:
         doc = json.load(f)
-    assert (doc["format"], doc["version"], doc["num_moe_layers"], doc["num_logical_experts"],
-            doc["num_steps"]) == ("widellm-expert-load", 1, 2, 4, 16)
+    assert (doc["format"], doc["num_experts"], doc["top_k"], doc["num_steps"],
+            doc["num_tokens"]) == ("widellm.routing_counts.v1", 4, 2, 16, [8, 8])
     assert os.listdir(tmp_path) == ["load.json"]
-    save_expert_load(path, load + 1, num_steps=32)  # rewritten in place
+    save_expert_load(path, load + 1, top_k=2, num_steps=32)  # rewritten in place
     assert load_expert_load(path, 2, 4).tolist() == [[11, 1, 4, 4], [2, 2, 2, 14]]
 
 
 def _write(tmp_path, doc) -> str:
     path = str(tmp_path / "bad.json")
-    with open(path, "w") as f:
-        f.write(doc if isinstance(doc, str) else json.dumps(doc))
+    with open(path, "wb") as f:
+        f.write(doc.encode("latin-1") if isinstance(doc, str) else json.dumps(doc).encode())
     return path
 
 
-GOOD = {"format": "widellm-expert-load", "version": 1, "num_moe_layers": 1,
-        "num_logical_experts": 2, "num_steps": 1, "load": [[1, 2]]}
+GOOD = {"format": "widellm.routing_counts.v1", "counts": [[1, 2]]}
 
 
 @pytest.mark.parametrize("doc,message", [
     ("{not json", "cannot read it"),
-    ({**GOOD, "format": "sglang"}, "is not a widellm-expert-load file"),
-    ({**GOOD, "version": 2}, "version 2, this widellm reads version 1"),
-    ({**GOOD, "load": [[1, 2, 3]]}, r"holds \(1, 3\) \(MoE layers, experts\); this model has "
-                                    r"\(1, 2\)"),
-    ({**GOOD, "load": [[1.5, 2]]}, "'load' is not a table of integers"),
-    ({**GOOD, "load": [[1], [2, 3]]}, "'load' is not a table of integers"),
-    ({**GOOD, "load": [[1, -2]]}, "counts must be >= 0"),
+    ("\x80\x02torch", "is not JSON"),
+    ({**GOOD, "format": "sglang"}, "is not a widellm.routing_counts.v1 file"),
+    ([[1, 2]], "is not a widellm.routing_counts.v1 file"),
+    ({**GOOD, "counts": [[1, 2, 3]]}, r"holds \(1, 3\) \(MoE layers, experts\); this model "
+                                      r"has \(1, 2\)"),
+    ({**GOOD, "counts": [[1.5, 2]]}, "'counts' is not a table of integers"),
+    ({**GOOD, "counts": [[1], [2, 3]]}, "'counts' is not a table of integers"),
+    ({**GOOD, "counts": [[1, -2]]}, "counts must be >= 0"),
 ])
 def test_a_wrong_file_is_refused_naming_why(tmp_path, doc, message):
     with pytest.raises(ValueError, match=message):
@@ -94,3 +94,18 @@ def test_the_simulator_refuses_the_file_keys(tmp_path):
         PoolConfig(num_ranks=2, eplb=EPLBConfig(enable_eplb=True,
                                                 save_path=str(tmp_path / "load.json")))
     assert PoolConfig(num_ranks=2, eplb=EPLBConfig(enable_eplb=True, static=True)).eplb.static
+
+
+def test_one_format_for_the_engine_and_the_simulator(tmp_path):
+    """A deployment's saved load replays in ``widellm simulate --expert-skew recorded:FILE``,
+    and ``benchmarks/record_routing.py``'s output (which adds the model's name) places a
+    deployment's experts."""
+    from widellm.sim.routing import ExpertRouting
+
+    path = str(tmp_path / "load.json")
+    save_expert_load(path, torch.tensor([[6, 2, 2, 2], [3, 3, 3, 3]]), top_k=2, num_steps=3)
+    routing = ExpertRouting.recorded(path, num_experts=4, top_k=2, num_layers=2)
+    assert routing.inclusion.flatten().tolist() == pytest.approx([1.0] + [1 / 3] * 3 + [0.5] * 4)
+    recorded = {"format": "widellm.routing_counts.v1", "model": "preset:x", "num_experts": 2,
+                "top_k": 1, "num_tokens": [3], "counts": [[1, 2]]}
+    assert load_expert_load(_write(tmp_path, recorded), 1, 2).tolist() == [[1, 2]]

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from widellm.sim.routing import RECORDED_FORMAT, ExpertRouting, cap_inclusion
+from widellm.eplb.load_file import ROUTING_COUNTS_FORMAT
+from widellm.sim.routing import ExpertRouting, cap_inclusion
 
 # DeepSeek-V3's routing, at the issue's scale: 144 ranks x 256 decode tokens.
 V3_EXPERTS, V3_TOP_K = 256, 8
@@ -77,7 +78,7 @@ def test_sampled_pick_rates_match_the_inclusion_table():
 
 
 def _write_recorded(path, counts):
-    path.write_text(json.dumps({"format": RECORDED_FORMAT, "num_experts": len(counts[0]),
+    path.write_text(json.dumps({"format": ROUTING_COUNTS_FORMAT, "num_experts": len(counts[0]),
                                 "top_k": 2, "counts": counts}))
     return str(path)
 

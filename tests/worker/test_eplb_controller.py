@@ -212,7 +212,7 @@ def test_load_path_places_experts_before_the_first_step(tmp_path):
     recorded = torch.ones(NUM_LAYERS, NUM_EXPERTS, dtype=torch.int64)
     recorded[:, HOT] = 50
     path = str(tmp_path / "load.json")
-    save_expert_load(path, recorded, 100)
+    save_expert_load(path, recorded, TOP_K, 100)
     planned = rebalance_experts(recorded, NUM_EXPERTS + REDUNDANT, 1, 1, 2)[0].tolist()
     results = run_ranks(_run, 2, None, False, {"load_path": path, "static": True},
                         timeout_s=TIMEOUT_S)

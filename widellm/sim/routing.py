@@ -1,5 +1,6 @@
 """Which experts the simulated tokens pick: uniform, Zipf-skewed, or replayed from the
-per-layer expert counts of a real widellm run (``benchmarks/record_routing.py``).
+per-layer expert counts of a real widellm run (``benchmarks/record_routing.py`` on one rank,
+or an EP deployment's ``--eplb-config`` ``save_path``; the format is ``eplb/load_file.py``'s).
 
 Every kind is reduced to one table per MoE layer: ``inclusion[l, e]``, the probability that a
 token of layer ``l`` picks expert ``e``. A token picks ``top_k`` *distinct* experts, so
@@ -33,8 +34,6 @@ import numpy as np
 from widellm.model.flops import moe_layer_ids
 
 ROUTING_KINDS = ("uniform", "zipf", "recorded")
-# The recorded-counts file format (written by benchmarks/record_routing.py).
-RECORDED_FORMAT = "widellm.routing_counts.v1"
 # Integer units per unit of segment length (inclusion probabilities resolved to 2^-24).
 SEGMENT_UNITS = 1 << 24
 # Seeds the per-layer expert orders of Zipf apart from the simulation's other streams.

@@ -119,7 +119,8 @@ class EplbController:
             first = max(self.step_count - self.config.window_size, self._window_start)
             self.saved_steps += self.step_count - first
             if self.rank == 0:  # every rank holds the same sums; one writes them
-                save_expert_load(self.config.save_path, self.saved_load, self.saved_steps)
+                save_expert_load(self.config.save_path, self.saved_load,
+                                 self.layers[0].top_k, self.saved_steps)
         value = self._rank_balancedness(physical)
         s = self.stats
         if s.num_measurements == 0:
