@@ -1,5 +1,6 @@
 """Async scheduling (step N+1 scheduled while step N runs) gives exactly the synchronous
-outputs, on a mixed batch with different lengths, stop rules and forced preemption."""
+outputs, on a mixed batch with different lengths, stop rules and forced preemption; behind a
+step with prompt tokens the next step waits for it, so new arrivals join at once."""
 
 from __future__ import annotations
 
@@ -68,3 +69,29 @@ def test_stop_string_abort_while_a_step_is_in_flight(model_dir):
     assert out.text == full.text[:full.text.index(stop)]
     core = llm.llm_engine.engine_core
     assert not core.batch_queue and not core.has_unfinished_requests()
+
+
+@pytest.mark.timeout(120)
+def test_a_prompt_step_has_no_step_scheduled_behind_it(model_dir):
+    """Behind a step with prompt tokens nothing is scheduled until it ran, so a request that
+    arrives meanwhile joins the very next step (behind a decode-only step the next one is
+    scheduled at once, two in flight)."""
+    from widellm.engine.arg_utils import EngineArgs
+    from widellm.engine.engine_core import EngineCore, EngineCoreRequest
+
+    config = EngineArgs(model=model_dir("LlamaForCausalLM"), dtype="float32", num_kv_blocks=32,
+                        max_model_len=128, async_scheduling=True).create_engine_config()
+    core = EngineCore(config)
+    params = SamplingParams(temperature=0, ignore_eos=True)
+    try:
+        core.add_request(EngineCoreRequest("a", [5, 6, 7], params, [], 8, 0.0))
+        first = core.step()  # a's prompt: run and collected, nothing queued behind it
+        assert [o.request_id for o in first] == ["a"] and not core.batch_queue
+        core.add_request(EngineCoreRequest("b", [8, 9, 10, 11], params, [], 8, 0.0))
+        second = core.step()  # a's decode and b's prompt in one step
+        assert sorted(o.request_id for o in second) == ["a", "b"] and not core.batch_queue
+        assert core.step() == [] and len(core.batch_queue) == 1  # decode only: fill
+        assert sorted(o.request_id for o in core.step()) == ["a", "b"]
+        assert len(core.batch_queue) == 1  # the next decode step is already in flight
+    finally:
+        core.shutdown()

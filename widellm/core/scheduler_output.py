@@ -52,3 +52,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_prompt_tokens(self) -> bool:
+        """Some request computes prompt (or recomputed) tokens this step: it is new, or gets
+        more than one token (with no speculative decoding, only a prompt chunk does)."""
+        return (bool(self.scheduled_new_reqs)
+                or self.total_num_scheduled_tokens > len(self.num_scheduled_tokens))

@@ -371,7 +371,11 @@ class EngineCore:
         """Keep two steps in flight: schedule N+1 (with placeholders for N's samples) while
         the runner thread executes N, then collect N. The runner executes steps in order and
         feeds N's sampled tokens into N+1 itself, so outputs equal synchronous scheduling."""
-        if len(self.batch_queue) < 2 and self.scheduler.has_unfinished_requests():
+        # A second step goes in only behind a decode-only one: scheduled behind a prompt step,
+        # it would miss what arrives while that long step runs (a burst split over more steps).
+        behind_prompt = bool(self.batch_queue) and self.batch_queue[-1][0].has_prompt_tokens
+        if (len(self.batch_queue) < 2 and not behind_prompt
+                and self.scheduler.has_unfinished_requests()):
             so = self.scheduler.schedule()
             self._start_kv_transfers()
             # An empty step still goes through the runner thread when it carries finished or
@@ -379,7 +383,7 @@ class EngineCore:
             if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
                 self.batch_queue.append((so, self.runner_thread.submit(
                     self.model_runner.execute_model, so)))
-                if len(self.batch_queue) < 2 and not so.is_empty:
+                if len(self.batch_queue) < 2 and not so.is_empty and not so.has_prompt_tokens:
                     return []  # fill the pipeline before blocking on a result
         if not self.batch_queue:
             return []

@@ -13,8 +13,9 @@ Once a vote agrees to shut down, every later job of the rank returns without a c
 other ranks stop voting at the same vote, and a job already queued behind it must not wait for
 a partner that will never come (vllm#28774 is that hang for an early-returning empty step).
 
-Timeline on one rank, two steps in flight (S = schedule on the loop thread, R = a job on the
-runner thread: prepare, vote, forward, sample)::
+Timeline on one rank, two steps in flight behind decode-only steps (S = schedule on the loop
+thread, R = a job on the runner thread: prepare, vote, forward, sample; behind a step with
+prompt tokens the next is scheduled once that one ran, see :attr:`LockstepPipeline.full`)::
 
     loop:   S1 S2 ...wait R1... U1 S3 ...wait R2... U2 S4
     runner:    [----R1-----]   [----R2-----][----R3-----]
@@ -71,14 +72,21 @@ class LockstepPipeline:
         self.core, self.lockstep = core, lockstep
         self.in_flight: deque[Future[VotedStep]] = deque()
         self._agreed_shutdown = False  # written and read on the runner thread only
+        self._last_has_prompt = False  # the last submitted step carries prompt tokens
 
     @property
     def full(self) -> bool:
-        return len(self.in_flight) >= MAX_STEPS_IN_FLIGHT
+        """No room for another step: two in flight, or the last one carries prompt tokens. A
+        step scheduled behind a prompt step would miss what arrives while that long step runs;
+        at the start of a burst one rank would then prefill part of it a step later than
+        another, and the ranks would wait for each other's prefill in turn."""
+        return (len(self.in_flight) >= MAX_STEPS_IN_FLIGHT
+                or bool(self.in_flight) and self._last_has_prompt)
 
     def submit(self, so: SchedulerOutput | None, shutdown_requested: bool) -> None:
         """Queue one voted step for what the scheduler chose (None: a vote without work)."""
         self.in_flight.append(self.core.runner_thread.submit(self._run, so, shutdown_requested))
+        self._last_has_prompt = so is not None and so.has_prompt_tokens
 
     def collect(self) -> VotedStep:
         """The oldest step's result, waiting for it (re-raises the runner thread's error)."""
