@@ -51,6 +51,7 @@ from widellm.engine.lockstep_pipeline import LockstepPipeline
 from widellm.gc_heap import freeze_startup_heap
 from widellm.ops.cpu_kernels import load_cpu_kernels
 from widellm.step_timer import maybe_phase
+from widellm.worker.cpu_allocator import use_one_arena
 from widellm.worker.memory import peak_rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,8 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int,
     their pid as ``parent_pid``)."""
     # The frontend owns Ctrl-C; the core stops when told to or when its parent goes away.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not config.on_cuda:
+        use_one_arena()  # before zmq's and gloo's threads start (see cpu_allocator)
     parent_pid = os.getppid() if parent_pid is None else parent_pid
     die_with_parent(parent_pid, use_pdeathsig)
     logging.basicConfig(level=os.environ.get("WIDELLM_LOGGING_LEVEL", "INFO"),

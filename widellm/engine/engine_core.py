@@ -37,6 +37,7 @@ from widellm.step_timer import StepTimer, maybe_phase
 from widellm.structured_output.backend import StructuredOutputBackend
 from widellm.structured_output.manager import StructuredOutputManager
 from widellm.structured_output.registry import make_backend
+from widellm.worker.cpu_allocator import use_one_arena
 from widellm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -102,11 +103,11 @@ class EngineCore:
         # lockstep the loop keeps its own queue (of voted steps) on the same thread: that one
         # thread then issues every collective of this rank, in step order.
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
-        self.runner_thread = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="widellm-runner",
-                               initializer=init_compute_thread)
-            if self.async_scheduling else None
-        )
+        if not config.on_cuda:
+            use_one_arena()  # before the runner thread allocates (see cpu_allocator)
+        self.runner_thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="widellm-runner",
+            initializer=init_compute_thread) if self.async_scheduling else None
         # The thread that runs the forwards also loads the model and warms it up: OpenMP
         # keeps a pool of worker threads per thread that ever ran a parallel region, and once
         # two pools exist their workers stop spinning between regions and sleep (measured:
