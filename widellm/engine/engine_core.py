@@ -9,9 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -26,6 +25,7 @@ from widellm.core.scheduler_output import SchedulerOutput
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.distributed.groups import DPGroups
 from widellm.distributed.lockstep import DPLockstep, StepAgreement, Vote
+from widellm.engine.batch_queue import BatchQueue
 from widellm.engine.dbo_policy import DboPolicy
 from widellm.engine.kv_budget import determine_num_blocks
 from widellm.engine.planned_step import PlannedStep
@@ -102,7 +102,7 @@ class EngineCore:
         # Async scheduling: steps submitted to the runner thread, oldest first. With
         # lockstep the loop keeps its own queue (of voted steps) on the same thread: that one
         # thread then issues every collective of this rank, in step order.
-        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self.batch_queue = BatchQueue(self)
         if not config.on_cuda:
             use_one_arena()  # before the runner thread allocates (see cpu_allocator)
         self.runner_thread = ThreadPoolExecutor(
@@ -256,6 +256,8 @@ class EngineCore:
             if self.has_loads_in_flight():  # nothing to run until a load ends
                 self.wait_for_loads(KV_TRANSFER_WAIT_S)
             return kv_outputs
+        if self.async_scheduling:  # a step counts once its result is collected
+            return kv_outputs + self.batch_queue.step()
         start = self.clock()
         try:
             return kv_outputs + self._step()
@@ -276,8 +278,6 @@ class EngineCore:
     def _step(self) -> list[EngineCoreOutput]:
         if self.lockstep:
             raise RuntimeError("lockstep ranks step through plan_step and run_planned_step")
-        if self.async_scheduling:
-            return self.step_with_batch_queue()
         with maybe_phase(self.step_timer, "schedule"):
             scheduler_output = self.scheduler.schedule()
         self._start_kv_transfers()
@@ -364,32 +364,10 @@ class EngineCore:
         finally:
             self.count_step(start)
 
-    def count_step(self, start: float) -> None:
+    def count_step(self, start: float, end: float | None = None) -> None:
+        """One more step, run from ``start`` to ``end`` (default: now)."""
         self.num_steps += 1
-        self.last_step_duration_s = self.clock() - start
-
-    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
-        """Keep two steps in flight: schedule N+1 (with placeholders for N's samples) while
-        the runner thread executes N, then collect N. The runner executes steps in order and
-        feeds N's sampled tokens into N+1 itself, so outputs equal synchronous scheduling."""
-        # A second step goes in only behind a decode-only one: scheduled behind a prompt step,
-        # it would miss what arrives while that long step runs (a burst split over more steps).
-        behind_prompt = bool(self.batch_queue) and self.batch_queue[-1][0].has_prompt_tokens
-        if (len(self.batch_queue) < 2 and not behind_prompt
-                and self.scheduler.has_unfinished_requests()):
-            so = self.scheduler.schedule()
-            self._start_kv_transfers()
-            # An empty step still goes through the runner thread when it carries finished or
-            # preempted ids: the runner must drop their state, in order.
-            if not so.is_empty or so.finished_req_ids or so.preempted_req_ids:
-                self.batch_queue.append((so, self.runner_thread.submit(
-                    self.model_runner.execute_model, so)))
-                if len(self.batch_queue) < 2 and not so.is_empty and not so.has_prompt_tokens:
-                    return []  # fill the pipeline before blocking on a result
-        if not self.batch_queue:
-            return []
-        so, future = self.batch_queue.popleft()
-        return self._update_from_output(so, future.result())
+        self.last_step_duration_s = (self.clock() if end is None else end) - start
 
     def shutdown(self) -> None:
         self.structured.shutdown()
