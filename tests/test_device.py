@@ -94,9 +94,9 @@ def test_engine_config_and_collectives_are_the_cpu_ones(gpu_host, model_dir):
     assert collective_backend(config.device) == "gloo"
     assert collective_backend("cuda") == "nccl"
     sc = config.scheduler_config
-    # The CPU defaults: synchronous scheduling, prefill padded to whole AMX tiles
+    # The CPU defaults: async scheduling (as on a GPU), prefill padded to whole AMX tiles
     # (2,048 tokens over the pad sizes -> 32; a CUDA engine pads nothing).
-    assert (sc.async_scheduling, sc.prefill_pad_multiple) == (False, 32)
+    assert (sc.async_scheduling, sc.prefill_pad_multiple) == (True, 32)
 
 
 @pytest.mark.parametrize("visible", [False, True], ids=["cpu-host", "gpu-host"])

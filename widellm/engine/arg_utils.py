@@ -98,10 +98,10 @@ class EngineArgs:
     num_kv_blocks: int | None = field(default=None, metadata={
         "help": "exact KV block count", "aliases": ("--num-gpu-blocks-override",)})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prefixes"})
-    async_scheduling: bool | None = field(default=None, metadata={
-        "help": "schedule the next step while the current one runs (default: on with a GPU; "
-                "off on CPU, where the forward is ~99%% of a step and the overlapped CPU work "
-                "slows the forward's threads: measured 0.85-0.9x)"})
+    async_scheduling: bool = field(default=True, metadata={
+        "help": "schedule the next step while the current one runs (on by default; on a "
+                "2-core CPU measured 0.97-1.04x of synchronous scheduling, see "
+                "docs/BENCHMARKS.md)"})
     # "aliases": vLLM's short forms of the same flags.
     data_parallel_size: int = field(default=1, metadata={
         "help": "engine cores (DP ranks), each with its own scheduler, KV cache and requests",
@@ -258,9 +258,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
-                async_scheduling=(
-                    on_cuda if self.async_scheduling is None
-                    else self.async_scheduling),
+                async_scheduling=self.async_scheduling,
                 cudagraph_capture_sizes=self._capture_sizes(on_cuda),
                 prefill_pad_multiple=(
                     (0 if on_cuda else default_prefill_pad_multiple(self.max_num_batched_tokens))
