@@ -31,9 +31,9 @@ MAX_CYCLES = 16  # allocate, fill, free; the heap must settle well within this
 SETTLED_CYCLES = 3  # consecutive cycles without heap growth that count as settled
 CHILD_TIMEOUT_S = 120  # a torch import on a loaded 2-core machine takes a few seconds
 
-_CHILD = textwrap.dedent(f"""
-    import ctypes, ctypes.util, json, resource, torch
-    from widellm.worker.cpu_allocator import keep_freed_memory
+# glibc's accounting (mallinfo2), for the child processes below.
+_MALLINFO = textwrap.dedent("""
+    import ctypes, ctypes.util
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -42,6 +42,11 @@ _CHILD = textwrap.dedent(f"""
 
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.mallinfo2.restype = MallInfo2
+""")
+
+_CHILD = _MALLINFO + textwrap.dedent(f"""
+    import json, resource, torch
+    from widellm.worker.cpu_allocator import keep_freed_memory
 
     def cycle():
         # (mmap'd bytes while alive, heap bytes while alive, free heap bytes after free, faults)
@@ -151,17 +156,9 @@ def test_threads_allocate_from_the_one_arena():
     assert r["before"] == r["after"] == 1, r
 
 
-_RUNNER_CHILD = textwrap.dedent(f"""
-    import ctypes, ctypes.util, json, sys, torch
+_RUNNER_CHILD = _MALLINFO + textwrap.dedent(f"""
+    import json, sys, torch
     from widellm import LLM, SamplingParams
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-            "uordblks", "fordblks", "keepcost")]
-
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.mallinfo2.restype = MallInfo2
 
     def mapped_on_its_own():
         # Bytes glibc mapped for a large block allocated on the calling thread.
