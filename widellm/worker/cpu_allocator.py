@@ -53,8 +53,9 @@ def use_one_arena() -> bool:
     glibc is not the allocator. Call it before the process starts the threads that will run
     forwards (before its first thread, where possible): a thread that has allocated keeps
     its arena, and a new thread takes an exited thread's arena before the limit is looked at
-    (measured: an async runner thread started before the limit took ~500,000 page faults per
-    4,096-token prefill, its >64 MiB blocks mapped afresh each time, 6-8% of the step)."""
+    (measured: an async runner thread started before the limit took ~470,000 page faults per
+    4,032-row prompt forward, its >64 MiB blocks mapped afresh each time: 16.9-18.6 s against
+    14.7-15.0 s, see docs/BENCHMARKS.md)."""
     mallopt = _mallopt()
     return mallopt is not None and mallopt(M_ARENA_MAX, 1) == 1
 
