@@ -184,8 +184,8 @@ _RUNNER_CHILD = _MALLINFO + textwrap.dedent(f"""
 def test_the_async_runner_thread_allocates_from_the_main_arena(model_dir):
     """The async runner thread exists before the model (and the heap setting) does; it must
     still share the main arena, or each of its large blocks is a fresh mapping (a non-main
-    arena maps anything over 64 MiB on its own, whatever the setting: ~500,000 page faults
-    per 4,096-token prefill of preset:deepseek-v3-small before the fix)."""
+    arena maps anything over 64 MiB on its own, whatever the setting: ~470,000 page faults
+    per 4,032-row prompt forward of preset:deepseek-v3-small before the fix)."""
     out = subprocess.run([sys.executable, "-c", _RUNNER_CHILD, model_dir("LlamaForCausalLM")],
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])

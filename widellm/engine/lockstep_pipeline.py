@@ -30,11 +30,10 @@ from collections import deque
 from widellm.core.outputs import ModelRunnerOutput
 from widellm.core.scheduler_output import SchedulerOutput
 from widellm.distributed.lockstep import DPLockstep, StepAgreement
+from widellm.engine.batch_queue import MAX_STEPS_IN_FLIGHT
 from widellm.engine.engine_core import EngineCore
 from widellm.step_timer import maybe_phase
 
-# Steps in flight on a rank: the one running and the one scheduled behind it.
-MAX_STEPS_IN_FLIGHT = 2
 
 
 @dataclasses.dataclass
