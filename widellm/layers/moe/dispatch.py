@@ -5,6 +5,7 @@ handle) and a *wait* half (block on the handle), so that overlapping communicati
 other micro-batch's compute is only a matter of scheduling the calls:
 
     handle = d.dispatch_launch(hidden, topk_ids, topk_weights)
+    d.dispatch_send(handle)                          # second exchange, if the backend has one
     tokens = d.dispatch_wait(handle)                 # rows for this rank's experts
     out = experts(tokens.hidden_states, tokens.expert_ids)
     chandle = d.combine_launch(out, handle)
@@ -118,9 +119,18 @@ class MoEDispatcher(ABC):
         every rank answers the same."""
         return False
 
+    def dispatch_send(self, handle: DispatchHandle) -> bool:
+        """Launch the rows where the backend first exchanges their sizes: waits for the sizes
+        (a host sync), then starts the rows' transfer. Returns whether it launched one, so the
+        caller can hand over to the other micro-batch (and run local work, such as the shared
+        experts) while the rows travel. Single-exchange backends launch everything in
+        ``dispatch_launch``: False."""
+        return False
+
     @abstractmethod
     def dispatch_wait(self, handle: DispatchHandle) -> DispatchedTokens:
-        """Finish the dispatch and return the rows for this rank's experts."""
+        """Finish the dispatch (``dispatch_send`` first, if the caller skipped it) and return
+        the rows for this rank's experts."""
 
     @abstractmethod
     def combine_launch(self, expert_output: torch.Tensor, handle: DispatchHandle) -> CombineHandle:

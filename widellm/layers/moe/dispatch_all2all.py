@@ -2,10 +2,10 @@
 its experts.
 
 Dispatch finds the (token, destination rank) pairs a batch needs, grouped by rank, exchanges
-the per-destination counts (one small all-to-all, started by the launch half; the wait half
-reads them, a host sync: split sizes are host integers), then moves one packed row per pair
-in one all-to-all: the hidden vector once, with
-the token's k local expert ids and gate weights (-1 / 0 for the slots another rank serves).
+the per-destination counts (one small all-to-all, started by the launch half;
+``dispatch_send`` reads them, a host sync: split sizes are host integers), then moves one
+packed row per pair in one all-to-all: the hidden vector once, with the token's k local
+expert ids and gate weights (-1 / 0 for the slots another rank serves).
 A token routed to several experts of one rank crosses the wire once, not once per expert (at
 EP2 with top-6 of 64, about a third of the bytes). The receiving rank expands each row to its
 k slots for the expert GEMMs, and in the combine takes the weighted fp32 sum over the slots it
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from widellm.forward_context import dbo_yield
 from widellm.layers.moe.comm_tracking import TrackedWork, track
 from widellm.layers.moe.dispatch import CombineHandle, DispatchedTokens, DispatchHandle
 from widellm.layers.moe.dispatch_ep import ExpertParallelDispatcher, RowCodec, gather_weighted_sum
@@ -47,7 +46,8 @@ class _All2AllDispatchHandle(DispatchHandle):
     # [T, k] fp32 gate weights, 0 on padding.
     weights: torch.Tensor
     codec: RowCodec
-    # Set by dispatch_wait:
+    # Set by dispatch_send:
+    rows_work: TrackedWork | None = None
     # [n_recv, row_bytes] packed rows received (one per (token, this rank) pair of a peer).
     recv: torch.Tensor | None = None
     # [n_send] token of each row sent, in send order (grouped by destination rank).
@@ -75,9 +75,10 @@ class _All2AllCombineHandle(CombineHandle):
 class All2AllDispatcher(ExpertParallelDispatcher):
     """Variable-split all-to-all dispatch and combine, one row per (token, rank) pair.
 
-    The launch half only counts the rows for each rank and starts their exchange; the wait
-    half packs the rows (its ``nonzero`` sizes them: a host sync on a GPU), reads the counts
-    (a host sync: split sizes are host integers), then moves the rows.
+    The launch half only counts the rows for each rank and starts their exchange;
+    ``dispatch_send`` packs the rows (its ``nonzero`` sizes them: a host sync on a GPU), reads
+    the counts (a host sync: split sizes are host integers) and starts the rows' exchange; the
+    wait half waits for the rows.
 
     Args:
         expert_map: ``[E_phys]`` int64, contiguous by rank (see :mod:`.dispatch_ep`).
@@ -107,12 +108,13 @@ class All2AllDispatcher(ExpertParallelDispatcher):
             weights=weights, codec=codec,
         )
 
-    def dispatch_wait(self, handle: DispatchHandle) -> DispatchedTokens:
-        """Rows expanded to ``[n_recv * k]``: row ``i * k + j`` is received row ``i``'s slot
-        ``j`` (expert id -1 where another rank serves that slot)."""
+    def dispatch_send(self, handle: DispatchHandle) -> bool:
+        """Packs the rows (while the counts travel), waits for the counts, launches the rows."""
         assert isinstance(handle, _All2AllDispatchHandle)
+        if handle.rows_work is not None:
+            return False
         codec = handle.codec
-        # Packed while the counts travel: (rank, token) of every row, sorted by rank, token.
+        # (rank, token) of every row, sorted by rank, token.
         pairs = handle.needs.t().nonzero()
         dest_rank, tokens = pairs[:, 0], pairs[:, 1]
         send = codec.empty(tokens.numel(), handle.hidden_states.device)
@@ -125,12 +127,19 @@ class All2AllDispatcher(ExpertParallelDispatcher):
         handle.counts_work.wait()
         send_splits, recv_splits = handle.send_counts.tolist(), handle.recv_counts.tolist()
         recv = codec.empty(sum(recv_splits), send.device)
-        rows_work = track(dist.all_to_all_single(recv, send, recv_splits, send_splits,
-                                                 group=self.group, async_op=True))
-        dbo_yield()  # the rows travel while the other micro-batch computes
-        rows_work.wait()
+        handle.rows_work = track(dist.all_to_all_single(recv, send, recv_splits, send_splits,
+                                                        group=self.group, async_op=True))
         handle.recv, handle.sent_tokens = recv, tokens
         handle.send_splits, handle.recv_splits = send_splits, recv_splits
+        return True
+
+    def dispatch_wait(self, handle: DispatchHandle) -> DispatchedTokens:
+        """Rows expanded to ``[n_recv * k]``: row ``i * k + j`` is received row ``i``'s slot
+        ``j`` (expert id -1 where another rank serves that slot)."""
+        assert isinstance(handle, _All2AllDispatchHandle)
+        self.dispatch_send(handle)
+        handle.rows_work.wait()
+        codec, recv = handle.codec, handle.recv
         num_rows, top_k = recv.shape[0], codec.num_slots
         hidden = codec.hidden(recv)
         expanded = hidden.unsqueeze(1).expand(num_rows, top_k, hidden.shape[-1])

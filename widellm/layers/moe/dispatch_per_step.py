@@ -74,6 +74,9 @@ class PerStepDispatcher(MoEDispatcher):
         return _ChosenDispatch(backend, backend.dispatch_launch(hidden_states, topk_ids,
                                                                 topk_weights, counts))
 
+    def dispatch_send(self, handle: DispatchHandle) -> bool:
+        return handle.backend.dispatch_send(handle.inner)
+
     def dispatch_wait(self, handle: DispatchHandle) -> DispatchedTokens:
         return handle.backend.dispatch_wait(handle.inner)
 

@@ -2,8 +2,8 @@
 
 The gate linear that produces ``router_logits`` and any shared experts belong to the model
 file; this module owns the stacked routed-expert weights of the experts local to this rank.
-``forward`` runs the stages (route, dispatch launch, dispatch wait, experts, combine launch,
-combine wait) in order, with the model's shared experts inside the dispatch window.
+``forward`` runs the stages (route, dispatch launch / send / wait, experts, combine launch /
+wait) in order, with the model's shared experts inside the dispatch's last transfer.
 """
 
 from __future__ import annotations
@@ -304,9 +304,9 @@ class FusedMoE(nn.Module):
         """Routed-expert output of each token, plus the shared experts' when given.
 
         The stages below run in order; the shared experts (local compute) run while the
-        dispatch is in flight, between its launch and its wait. After each launch the layer
-        hands over to the other micro-batch under dual-batch overlap (``dbo_yield``), so
-        this one function is also the op sequence DBO interleaves.
+        dispatch's rows travel (after ``dispatch_send``: ``all2all`` exchanges sizes first).
+        After each launch the layer hands over to the other micro-batch under dual-batch
+        overlap (``dbo_yield``), so this one function is also the op sequence DBO interleaves.
 
         Args:
             hidden_states: ``[T, H]`` in the weights' dtype; expert math stays in it.
@@ -323,6 +323,9 @@ class FusedMoE(nn.Module):
         with maybe_phase(timer, "moe_dispatch"):
             dispatch_handle = self.dispatch_launch(hidden_states, topk_ids, topk_weights)
         dbo_yield()  # dual-batch overlap: the other micro-batch computes while tokens travel
+        with maybe_phase(timer, "moe_dispatch"):
+            if self.dispatcher.dispatch_send(dispatch_handle):
+                dbo_yield()  # the rows travel now
         shared = shared_experts(hidden_states) if shared_experts is not None else None
         with maybe_phase(timer, "moe_dispatch"):
             tokens = self.dispatcher.dispatch_wait(dispatch_handle)
