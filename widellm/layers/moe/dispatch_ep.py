@@ -15,6 +15,8 @@ The contract every expert-parallel backend keeps:
   [T, k] fp32)``. ``T`` differs per rank and may be 0 or all padding (a rank with no work runs a
   dummy batch). Pairs with id -1 are never sent nor computed and contribute zero; their weights
   may be NaN, so they are cleared with ``masked_fill``, never multiplied away.
+- ``dispatch_send(handle) -> bool``: a backend that exchanges sizes before rows (``all2all``)
+  waits for the sizes and launches the rows here, returning True; the others return False.
 - ``dispatch_wait -> DispatchedTokens(hidden_states [N, H], expert_ids [N] local id or -1,
   topk_weights [N] fp32)``. ``hidden_states`` may be a strided view of the receive buffer (row
   stride larger than ``H``).
