@@ -26,7 +26,7 @@ from pathlib import Path
 
 from widellm.comm_trace import Exchange, load, split_exposed
 
-NAME = re.compile(r"(?P<cell>(?:decode|prefill)-\w+?-dbo_(?:off|on|auto))-r(?P<round>\d+)\.trace$")
+NAME = re.compile(r"(?P<cell>(?:decode|prefill)-[\w-]+?-dbo_(?:off|on|auto))-r(?P<round>\d+)\.trace$")
 KEYS = ("exposed_s", "exposed_waiting_for_peers_s", "exposed_transfer_s", "hidden_s",
         "transfer_s")
 

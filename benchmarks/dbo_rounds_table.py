@@ -16,7 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-NAME = re.compile(r"(?P<workload>decode|prefill)-(?P<backend>\w+?)-dbo_(?P<mode>off|on|auto)"
+NAME = re.compile(r"(?P<workload>decode|prefill)-(?P<backend>[\w-]+?)-dbo_(?P<mode>off|on|auto)"
                   r"-r(?P<round>\d+)\.json$")
 
 
