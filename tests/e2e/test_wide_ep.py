@@ -7,11 +7,13 @@ different steps (idle ranks run dummy batches until all are done)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from tests.e2e.test_models_vs_hf import MAX_NEW_TOKENS, make_prompts
 from widellm import LLM, SamplingParams
+from widellm.worker.cpu_binding import CPU_BIND_ENV
 
 MODELS = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM")
 BACKENDS = ("allgather_reducescatter", "all2all", "all2all_fixed", "auto")
@@ -32,12 +34,27 @@ def generate(path: str, prompts, ranks=None, **engine_kwargs) -> list[list[int]]
     with LLM(path, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, **engine_kwargs) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False, data_parallel_rank=ranks)
         client = llm.llm_engine.client
+        if client is not None:
+            assert_ranks_pinned(client.procs)
         if client is not None and ranks is not None:
             # Every rank that got requests reported; every KV block is free again.
             assert sorted(client.last_stats) == sorted(set(ranks))
             assert all(s.kv_cache_usage == 0 for s in client.last_stats.values())
     assert all(len(o.outputs[0].token_ids) == MAX_NEW_TOKENS for o in outs)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_ranks_pinned(procs) -> None:
+    """With WIDELLM_CPU_OMP_THREADS_BIND=auto and a CPU or more per rank, local rank i's
+    process runs on the i-th slice of the allowed CPUs (one thread per core here); by default
+    the OS places every rank."""
+    if not hasattr(os, "sched_getaffinity"):  # not Linux: nothing is pinned
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    per = len(allowed) // len(procs) if os.environ.get(CPU_BIND_ENV) == "auto" else 0
+    for i, proc in enumerate(procs):
+        want = allowed[i * per:(i + 1) * per] if per else allowed
+        assert sorted(os.sched_getaffinity(proc.pid)) == want
 
 
 # Suite time: at DP4 (idle ranks, four-way exchanges) each model runs these (backend, async)
@@ -76,7 +93,8 @@ def test_expert_parallel_equals_single_rank(reference, backend, dp, async_schedu
     assert got == expected
 
 
-def test_all2all_fixed_overflow_equals_single_rank(reference):
+def test_all2all_fixed_overflow_equals_single_rank(reference, monkeypatch):
+    monkeypatch.setenv(CPU_BIND_ENV, "auto")  # and ranks pinned to their own cores
     path, prompts, expected = reference
     got = generate(path, prompts, PLACEMENT[2], data_parallel_size=2, enable_expert_parallel=True,
                    all2all_backend="all2all_fixed", all2all_fixed_capacity=TINY_CAPACITY)

@@ -52,6 +52,7 @@ from widellm.gc_heap import freeze_startup_heap
 from widellm.ops.cpu_kernels import load_cpu_kernels
 from widellm.step_timer import maybe_phase
 from widellm.worker.cpu_allocator import use_one_arena
+from widellm.worker.cpu_binding import pin_engine_core
 from widellm.worker.memory import peak_rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -174,11 +175,16 @@ def run_engine_core(config: EngineConfig, handshake_addr: str, dp_rank: int,
     try:
         if config.on_cuda:
             torch.cuda.set_device((dp_rank - pc.data_parallel_start_rank) % torch.cuda.device_count())
-        elif pc.local_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            # Ranks on one machine share its cores; more threads than cores make every
-            # rank's GEMMs and the lockstep collectives wait on the OS scheduler.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.local_size))
-        if not config.on_cuda:
+        else:
+            cpus = pin_engine_core(pc.local_size, dp_rank - pc.data_parallel_start_rank,
+                                   ray=pc.data_parallel_backend == "ray")
+            if "OMP_NUM_THREADS" not in os.environ and (cpus or pc.local_size > 1):
+                # Ranks on one machine share its cores; more threads than cores make every
+                # rank's GEMMs and the lockstep collectives wait on the OS scheduler.
+                torch.set_num_threads(len(cpus) if cpus else
+                                      max(1, (os.cpu_count() or 1) // pc.local_size))
+            logger.info("engine core %d: %d compute threads, %s", dp_rank,
+                        torch.get_num_threads(), f"pinned to CPUs {cpus}" if cpus else "unpinned")
             _load_kernels(out, encoder, dp_rank)
         if pc.needs_lockstep:
             groups = init_dp_groups(dp_rank, pc.data_parallel_size, reply.store_host,
