@@ -6,10 +6,10 @@ OpenMP compute team, gloo's transfer threads, the loop thread) over all of them:
 helper threads may preempt another rank's compute, and memory may sit on another socket than
 the threads that use it. Pinned, a rank's threads share only its own cores. It is a trade on
 this project's 2-core machine (docs/BENCHMARKS.md, DP2 + EP2, one core per rank): decode
-spent ~40% less time blocked in MoE transfers and ran 2.5% faster, but prompt-heavy steps
-ran ~13% slower, because a pinned rank's gloo threads can no longer use the core its peer
+spent ~40% less time blocked in MoE transfers and ran 2-11% faster, but prompt-heavy runs
+were 7-14% slower, because a pinned rank's gloo threads can no longer use the core its peer
 leaves idle while it waits. So nothing is pinned unless asked; on multi-socket machines
-pin each rank to its socket (vLLM pins by default there).
+pin each rank to its socket (vLLM's CPU backend pins by default).
 
 Values, as vLLM reads its variable:
 
@@ -52,7 +52,8 @@ def parse_cpu_list(text: str) -> list[int]:
 
 def by_core(cpus: Collection[int], topology: Mapping[int, tuple[int, int]]) -> list[int]:
     """``cpus`` ordered by (socket, core), so a core's hyperthreads are neighbours; a CPU
-    missing from ``topology`` (``cpu -> (package id, core id)``) sorts by its number alone.
+    missing from ``topology`` (``cpu -> (package id, core id)``) sorts as socket 0, core
+    number = its own number.
 
     Example (4 cores, 2 threads each, siblings numbered ``c`` and ``c + 4``):
     ``by_core(range(8), {c: (0, c % 4) for c in range(8)}) == [0, 4, 1, 5, 2, 6, 3, 7]``.
