@@ -9,6 +9,8 @@ experts' call, and checks the exact sequence per backend.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -60,9 +62,9 @@ def _rank_sequences(rank: int, world_size: int) -> dict[str, list[str]]:
     out = {}
     for backend in EXPECTED:
         log: list[str] = []
-        launched = iter(range(100))
+        launched = itertools.count()
 
-        def logging(name, fn):
+        def logged(name, fn):
             def wrapped(*args, async_op=False, **kwargs):
                 work = fn(*args, async_op=async_op, **kwargs)
                 if not async_op:
@@ -85,11 +87,11 @@ def _rank_sequences(rank: int, world_size: int) -> dict[str, list[str]]:
         moe = FusedMoE(NUM_EXPERTS, TOP_K, HIDDEN, INTER, dtype=torch.float32, ep=ep)
         with pytest.MonkeyPatch.context() as patch:
             for name in COLLECTIVES:
-                patch.setattr(dist, name, logging(name, getattr(dist, name)))
+                patch.setattr(dist, name, logged(name, getattr(dist, name)))
             for module in (dispatch_ep, dispatch_allgather):
                 for name in ("all_gather_single", "reduce_scatter_single"):
                     if hasattr(module, name):
-                        patch.setattr(module, name, logging(name, getattr(module, name)))
+                        patch.setattr(module, name, logged(name, getattr(module, name)))
             with torch.inference_mode(), set_forward_context(
                     dummy_attention_metadata(TOKENS[rank]), dp_metadata=DPMetadata(TOKENS)):
                 moe(hidden, logits, padding_mask=torch.zeros(TOKENS[rank], dtype=torch.bool),
