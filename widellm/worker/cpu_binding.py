@@ -7,7 +7,7 @@ helper threads may preempt another rank's compute, and memory may sit on another
 the threads that use it. Pinned, a rank's threads share only its own cores. It is a trade on
 this project's 2-core machine (docs/BENCHMARKS.md, DP2 + EP2, one core per rank): decode
 spent ~40% less time blocked in MoE transfers and ran 2-11% faster, but prompt-heavy runs
-were 7-14% slower, because a pinned rank's gloo threads can no longer use the core its peer
+were 3-14% slower, because a pinned rank's gloo threads can no longer use the core its peer
 leaves idle while it waits. So nothing is pinned unless asked; on multi-socket machines
 pin each rank to its socket (vLLM's CPU backend pins by default).
 
