@@ -293,7 +293,8 @@ class EngineCore:
         return self.prepare_step(self.schedule_step())
 
     def schedule_step(self) -> SchedulerOutput | None:
-        """This rank's scheduling decision for its next lockstep step (None: no request)."""
+        """This rank's scheduling decision for its next step (None: no request); lockstep and
+        async ranks schedule through it."""
         if not self.scheduler.has_unfinished_requests():
             return None
         with maybe_phase(self.step_timer, "schedule"):

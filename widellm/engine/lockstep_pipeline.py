@@ -35,7 +35,6 @@ from widellm.engine.engine_core import EngineCore
 from widellm.step_timer import maybe_phase
 
 
-
 @dataclasses.dataclass
 class VotedStep:
     """A job's result.

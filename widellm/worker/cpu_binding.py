@@ -115,14 +115,17 @@ def bind_this_process(cpus: Sequence[int]) -> None:
 def pin_engine_core(local_size: int, local_rank: int, ray: bool) -> list[int] | None:
     """Apply ``WIDELLM_CPU_OMP_THREADS_BIND`` to this engine-core process; returns the CPUs it
     was pinned to (None: unpinned). Raises ValueError for a value it cannot honour."""
-    spec = os.environ.get(CPU_BIND_ENV, NOBIND)
+    spec = os.environ.get(CPU_BIND_ENV, NOBIND).strip()
+    if spec in ("", NOBIND):
+        return None
     if not hasattr(os, "sched_setaffinity"):  # not Linux
-        if spec.strip() in ("", AUTO, NOBIND):
+        if spec == AUTO:
             return None
         raise ValueError(f"{CPU_BIND_ENV}={spec!r}: pinning needs Linux's sched_setaffinity")
     allowed = os.sched_getaffinity(0)
-    cpus = plan_cpu_binding(spec, by_core(allowed, read_topology(allowed)), local_size,
-                            local_rank, ray)
+    # Only auto slices by position; explicit lists just need to be allowed.
+    ordered = by_core(allowed, read_topology(allowed)) if spec == AUTO else sorted(allowed)
+    cpus = plan_cpu_binding(spec, ordered, local_size, local_rank, ray)
     if cpus is not None:
         bind_this_process(cpus)
     return cpus
