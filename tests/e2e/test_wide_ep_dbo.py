@@ -24,16 +24,16 @@ SPLIT_ALWAYS = dict(enable_dbo=True, dbo_decode_token_threshold=2,
 # Prompt chunks of at most this many tokens: the 300-token prompt spans several steps and
 # each step's cut falls inside a chunk.
 STEP_BUDGET = 96
-# Suite time: the DP4 case of each model (DeepSeek-V3, Qwen3-MoE).
-DP4_BACKEND = {False: "all2all", True: "allgather_reducescatter"}
+# Suite time: the DP4 cases of each model (DeepSeek-V3, Qwen3-MoE); each backend runs at DP4.
+DP4_BACKENDS = {False: ("all2all", "all2all_fixed"), True: ("allgather_reducescatter",)}
 
 
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dbo_equals_single_rank(reference, backend, dp):
     path, prompts, expected = reference
-    if dp == 4 and backend != DP4_BACKEND[is_qwen3_moe(path)]:
-        pytest.skip("suite time: DP4 runs one backend per model; all three run at DP2")
+    if dp == 4 and backend not in DP4_BACKENDS[is_qwen3_moe(path)]:
+        pytest.skip("suite time: DP4 runs each backend with one model; all run at DP2")
     # Qwen3-MoE runs with async scheduling too: its async matrix (test_wide_ep) is this one.
     ep = dict(data_parallel_size=dp, enable_expert_parallel=True, all2all_backend=backend,
               max_num_batched_tokens=STEP_BUDGET, async_scheduling=is_qwen3_moe(path))
