@@ -13,7 +13,7 @@ import pytest
 
 from tests.e2e.test_models_vs_hf import MAX_NEW_TOKENS, make_prompts
 from widellm import LLM, SamplingParams
-from widellm.worker.cpu_binding import CPU_BIND_ENV
+from widellm.worker.cpu_binding import CPU_BIND_ENV, by_core, plan_cpu_binding, read_topology
 
 MODELS = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM")
 BACKENDS = ("allgather_reducescatter", "all2all", "all2all_fixed", "auto")
@@ -46,14 +46,15 @@ def generate(path: str, prompts, ranks=None, **engine_kwargs) -> list[list[int]]
 
 def assert_ranks_pinned(procs) -> None:
     """With WIDELLM_CPU_OMP_THREADS_BIND=auto and a CPU or more per rank, local rank i's
-    process runs on the i-th slice of the allowed CPUs (one thread per core here); by default
-    the OS places every rank."""
+    process runs on the i-th slice of the allowed CPUs, ordered by core as the planner orders
+    them (on CI's 2 cores: rank i on CPU i); by default the OS places every rank."""
     if not hasattr(os, "sched_getaffinity"):  # not Linux: nothing is pinned
         return
-    allowed = sorted(os.sched_getaffinity(0))
-    per = len(allowed) // len(procs) if os.environ.get(CPU_BIND_ENV) == "auto" else 0
+    allowed = os.sched_getaffinity(0)
+    ordered = by_core(allowed, read_topology(allowed))
+    spec = os.environ.get(CPU_BIND_ENV, "nobind")
     for i, proc in enumerate(procs):
-        want = allowed[i * per:(i + 1) * per] if per else allowed
+        want = plan_cpu_binding(spec, ordered, len(procs), i) or sorted(allowed)
         assert sorted(os.sched_getaffinity(proc.pid)) == want
 
 
