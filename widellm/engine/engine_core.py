@@ -29,7 +29,6 @@ from widellm.engine.batch_queue import BatchQueue
 from widellm.engine.dbo_policy import DboPolicy
 from widellm.engine.kv_budget import determine_num_blocks
 from widellm.engine.planned_step import PlannedStep
-from widellm.engine.tokenizer import get_tokenizer
 from widellm.kv_transfer.registry import make_scheduler
 from widellm.model.loader import load_eos_token_ids
 from widellm.sampling_params import SamplingParams
@@ -166,6 +165,9 @@ class EngineCore:
 
     def _structured_output_backend(self) -> StructuredOutputBackend:
         """The grammar engine over this model's tokenizer (built on first use)."""
+        # Imported here: a core loads a tokenizer only for its first constrained request.
+        from widellm.engine.tokenizer import get_tokenizer
+
         mc = self.config.model_config
         tokenizer = get_tokenizer(mc.tokenizer)
         eos = load_eos_token_ids(mc.model, mc.hf_config) or [tokenizer.eos_token_id]

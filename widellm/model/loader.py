@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig
 
 from widellm.distributed.ep_context import ExpertParallelContext
 from widellm.layers.linear import linear_method_counts, pack_linear_weights, use_fp8_weights
@@ -61,6 +60,10 @@ def load_hf_config(path: str) -> Any:
         from widellm.model.gguf_loader import load_gguf
 
         return load_gguf(path).config
+    # Imported here: AutoConfig's table of every architecture is ~0.4 s of import that an
+    # engine core, which gets its config from the frontend, never needs.
+    from transformers import AutoConfig
+
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     # Keys some configs carry that transformers' classes drop (DeepSeek-V3's scoring_func,
     # topk_method): keep them visible to the model code.

@@ -11,7 +11,6 @@ a time in plain Python, for the tests that compare it with both.
 from __future__ import annotations
 
 import torch
-import xgrammar as xgr
 
 BITS_PER_WORD = 32
 
@@ -36,6 +35,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
     """Mask ``logits[r]`` ([B, V] float, in place) with ``bitmask[r]`` ([B, words]) for each
     r in ``rows``; other rows are left alone."""
     if logits.is_cuda:
+        import xgrammar as xgr  # its GPU kernel; the CPU path below needs no grammar library
+
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         indices=rows)
         return
