@@ -73,7 +73,7 @@ def test_weights_have_hf_names_shapes_and_dtype(checkpoint, state_dict):
 
 
 def test_unquantized_tensor_is_copied_exactly(checkpoint, state_dict):
-    raw = next(t for t in checkpoint.reader.tensors if t.name == "blk.7.ffn_norm.weight")
+    raw = next(t for t in checkpoint.tensors if t.name == "blk.7.ffn_norm.weight")
     loaded = state_dict["model.layers.7.post_attention_layernorm.weight"]
     assert torch.equal(loaded, torch.from_numpy(np.array(raw.data)))
 

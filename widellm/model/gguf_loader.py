@@ -21,9 +21,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType, Keys, ReaderTensor
+from gguf import Keys
 from gguf.quants import dequantize
 from transformers import LlamaConfig, PretrainedConfig
+
+from widellm.model.gguf_header import GgufTensor, read_header
 
 # llama.cpp's default when a llama GGUF omits rope.freq_base; it is also Llama's original base.
 LLAMA_DEFAULT_ROPE_THETA = 10000.0
@@ -59,19 +61,7 @@ _ROPE_FREQS_WEIGHT = "rope_freqs.weight"
 def read_gguf_metadata(path: str) -> dict[str, Any]:
     """Return every metadata key of a GGUF file as plain Python values (str, int, float,
     bool, or lists of them), e.g. ``{"general.architecture": "llama", ...}``."""
-    return _metadata_of(GGUFReader(path))
-
-
-def _metadata_of(reader: GGUFReader) -> dict[str, Any]:
-    metadata = {}
-    for key, reader_field in reader.fields.items():
-        value = reader_field.contents()
-        if reader_field.types == [GGUFValueType.FLOAT32]:
-            # Stored as float32: 1e-5 reads back as 9.99999974e-06. The shortest decimal that
-            # rounds to the same float32 is what the source config said.
-            value = float(str(np.float32(value)))
-        metadata[key] = value
-    return metadata
+    return read_header(path).metadata
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -174,7 +164,7 @@ class GGUFCheckpoint:
     """An opened GGUF file. Tensors are memory-mapped and dequantized one at a time."""
 
     path: str
-    reader: GGUFReader = field(repr=False)
+    tensors: list[GgufTensor] = field(repr=False)
     metadata: dict[str, Any] = field(repr=False)
     config: PretrainedConfig
 
@@ -207,7 +197,7 @@ class GGUFCheckpoint:
         """Yield ``(hf_name, tensor)`` for every tensor in file order, float32, in HF shapes
         (``(out_features, in_features)`` for linear weights, ``(vocab, hidden)`` for the
         embedding). ``lm_head.weight`` appears only when the file has an untied output."""
-        for tensor in self.reader.tensors:
+        for tensor in self.tensors:
             name = self.hf_name(tensor.name)
             weight = _dequantize_tensor(tensor)
             if ".self_attn.q_proj." in name:
@@ -217,13 +207,13 @@ class GGUFCheckpoint:
             yield name, weight
 
 
-def _dequantize_tensor(tensor: ReaderTensor) -> torch.Tensor:
+def _dequantize_tensor(tensor: GgufTensor) -> torch.Tensor:
     """Dequantize one GGUF tensor to float32, shaped ``reversed(tensor.shape)`` (torch order)."""
     values = dequantize(tensor.data, tensor.tensor_type)
     # Unquantized types come back as views of the read-only memory map; torch needs writable
     # memory, so those (and only those) are copied.
     values = np.require(values, dtype=np.float32, requirements=["C", "W"])
-    torch_shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+    torch_shape = tuple(reversed(tensor.shape))
     return torch.from_numpy(values).reshape(torch_shape)
 
 
@@ -233,11 +223,11 @@ def load_gguf(path: str) -> GGUFCheckpoint:
     Raises:
         ValueError: when the architecture, rope variant or a tensor is not supported.
     """
-    reader = GGUFReader(path)
-    metadata = _metadata_of(reader)
-    tensor_names = [tensor.name for tensor in reader.tensors]
-    config = config_from_gguf_metadata(metadata, tensor_names)
-    checkpoint = GGUFCheckpoint(path=path, reader=reader, metadata=metadata, config=config)
+    header = read_header(path)
+    tensor_names = [tensor.name for tensor in header.tensors]
+    config = config_from_gguf_metadata(header.metadata, tensor_names)
+    checkpoint = GGUFCheckpoint(path=path, tensors=header.tensors, metadata=header.metadata,
+                                config=config)
     # Fail at load time, not halfway through streaming the weights.
     for name in tensor_names:
         checkpoint.hf_name(name)
