@@ -351,15 +351,20 @@ def _rank_sum(rank: int, world_size: int, scale: float) -> float:
 
 
 def _rank_fail_or_hang(rank: int, world_size: int, pid_dir: str, fail: bool) -> None:
-    with open(os.path.join(pid_dir, str(rank)), "w") as f:
+    # Written aside and renamed: a rank killed mid-write (rank 1 fails at once) leaves no
+    # empty file behind for _assert_gone to read.
+    path = os.path.join(pid_dir, str(rank))
+    with open(path + ".tmp", "w") as f:
         f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
     if rank == 1 and fail:
         raise KeyError("boom")
     time.sleep(600)
 
 
 def _assert_gone(pid_dir: str) -> None:
-    pids = [int(open(os.path.join(pid_dir, name)).read()) for name in os.listdir(pid_dir)]
+    pids = [int(open(os.path.join(pid_dir, name)).read()) for name in os.listdir(pid_dir)
+            if not name.endswith(".tmp")]
     assert pids
     for pid in pids:
         with pytest.raises(ProcessLookupError):
