@@ -1,10 +1,11 @@
 """``--seed`` reaches every engine core, and the local ranks of one host share one KV budget.
 
 Seeds: fresh servers (and fresh DP2 servers, with a request pinned to each rank by the
-X-data-parallel-rank header) started with the same --seed give the same unseeded temperature-1 text; another seed, or another rank,
-gives other text. KV budget: at DP2 and DP4 the KV pools the ranks log add up to the one
-budget the launcher logs (fraction x the host's MemAvailable, read once), chosen small enough
-that the budget, not max_num_seqs x max_model_len, sizes the pools.
+X-data-parallel-rank header) started with the same --seed give the same unseeded
+temperature-1 text; another seed, or another rank, gives other text. KV budget: at DP2 and
+DP4 the KV pools the ranks log add up to the one budget the launcher logs (fraction x the
+host's MemAvailable, read once), chosen small enough that the budget, not max_num_seqs x
+max_model_len, sizes the pools.
 """
 
 from __future__ import annotations
@@ -44,44 +45,44 @@ def _sampled_text(server: ServerProcess, rank: int | None = None) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def _server_texts(model_dir, tmp_path, seed: int, name: str) -> list[str]:
-    """Two sampled texts in a row from a fresh server started with --seed seed."""
-    server = ServerProcess(model_dir(MODEL_ARCH), tmp_path / f"{name}.log", ["--seed", str(seed)])
-    server.model_name = model_dir(MODEL_ARCH)
+def _texts_of_fresh_servers(model_dir, tmp_path, seeds: dict[str, int], dp: int
+                            ) -> dict[str, list[str]]:
+    """Fresh servers, one per name, started with ``--seed seeds[name]`` all at once (they are
+    separate processes; suite time). At DP1: two sampled texts in a row from each; at DP2:
+    one text from each rank, pinned by the rank header."""
+    servers = {}
     try:
-        server.wait_ready()
-        return [_sampled_text(server), _sampled_text(server)]
+        for name, seed in seeds.items():
+            args = ["--seed", str(seed)] + (["--data-parallel-size", str(dp)] if dp > 1 else [])
+            servers[name] = ServerProcess(model_dir(MODEL_ARCH), tmp_path / f"{name}.log", args)
+            servers[name].model_name = model_dir(MODEL_ARCH)
+        texts = {}
+        for name, server in servers.items():
+            server.wait_ready()
+            texts[name] = ([_sampled_text(server), _sampled_text(server)] if dp == 1 else
+                           [_sampled_text(server, rank) for rank in range(dp)])
+        return texts
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
+
+
+SEEDS = {"seed7a": 7, "seed7b": 7, "seed8": 8}
 
 
 @pytest.mark.timeout(600)
 def test_fresh_servers_with_one_seed_sample_the_same_text(model_dir, tmp_path):
-    first = _server_texts(model_dir, tmp_path, 7, "seed7a")
-    again = _server_texts(model_dir, tmp_path, 7, "seed7b")
-    other = _server_texts(model_dir, tmp_path, 8, "seed8")
+    texts = _texts_of_fresh_servers(model_dir, tmp_path, SEEDS, dp=1)
+    first, again, other = texts["seed7a"], texts["seed7b"], texts["seed8"]
     assert first == again
     assert first[0] != first[1]  # the stream moves on: a second request draws new noise
     assert other[0] != first[0] and other[1] != first[1]
 
 
-def _dp2_texts(model_dir, tmp_path, seed: int, name: str) -> list[str]:
-    """One sampled text from each rank of a fresh DP2 server, pinned by the rank header."""
-    server = ServerProcess(model_dir(MODEL_ARCH), tmp_path / f"{name}.log",
-                           ["--seed", str(seed), "--data-parallel-size", "2"])
-    server.model_name = model_dir(MODEL_ARCH)
-    try:
-        server.wait_ready()
-        return [_sampled_text(server, rank) for rank in range(2)]
-    finally:
-        server.stop()
-
-
 @pytest.mark.timeout(600)
 def test_dp2_ranks_draw_distinct_reproducible_streams(model_dir, tmp_path):
-    first = _dp2_texts(model_dir, tmp_path, 7, "dp2-seed7a")
-    again = _dp2_texts(model_dir, tmp_path, 7, "dp2-seed7b")
-    other = _dp2_texts(model_dir, tmp_path, 8, "dp2-seed8")
+    texts = _texts_of_fresh_servers(model_dir, tmp_path, SEEDS, dp=2)
+    first, again, other = texts["seed7a"], texts["seed7b"], texts["seed8"]
     assert first == again
     assert first[0] != first[1]  # rank 0 and rank 1 do not share a stream
     assert other[0] != first[0] and other[1] != first[1]
