@@ -104,8 +104,12 @@ def test_layouts_left_to_the_reference_reader(tmp_path, endianess, nested):
         assert fast.metadata["t.nested"] == [1, 2, 3]  # the reference flattens nested arrays
 
 
-def test_not_a_gguf_file(tmp_path):
+def test_not_a_gguf_file_or_one_cut_short(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="magic"):
+        read_header(str(path))
+    write_every_type(str(path))
+    path.write_bytes(path.read_bytes()[:200])  # inside the metadata
+    with pytest.raises(ValueError, match="cut short"):
         read_header(str(path))

@@ -76,13 +76,16 @@ class GgufHeader:
 
 def read_header(path: str) -> GgufHeader:
     """The header of the GGUF file at ``path`` (fast; the reference reader for the rare
-    layouts it does not handle). Raises ValueError for a file that is not GGUF."""
+    layouts it does not handle). Raises ValueError for a file that is not GGUF or is cut
+    short."""
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         return _Walker(buf).header()
     except _NotFastReadable:
         return read_header_reference(path)
+    except struct.error as e:  # a field runs past the end of the file
+        raise ValueError(f"{path}: GGUF header cut short ({e})") from None
 
 
 def read_header_reference(path: str) -> GgufHeader:
