@@ -9,6 +9,8 @@ read before each transfer."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import httpx
@@ -193,7 +195,10 @@ def test_decode_killed_while_holding_a_lease(deployment, model_dir, tmp_path):
         assert metric(metrics(prefill_s), "widellm:kv_transfer_blocks_held") > 0
         assert metric(metrics(prefill_s),
                       "widellm:kv_transfer_leases_expired_total") == expired
-    # The victim is stopped (SIGTERM, then SIGKILL of its group): no more heartbeats.
+        # Killed, server and engine core at once (a SIGTERM would first wait out the
+        # graceful drain of the pull it holds): no more heartbeats.
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(LONG_DELAY_S)
     wait_for_metric(prefill_s, "widellm:kv_transfer_blocks_held", lambda v: v == 0,
                     timeout_s=LEASE_S + 10)
     assert metric(metrics(prefill_s), "widellm:kv_transfer_leases_expired_total") == expired + 1
