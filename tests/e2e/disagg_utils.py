@@ -45,6 +45,9 @@ def started(*procs: ServerProcess):
             p.wait_ready()
         yield procs
     finally:
+        for p in procs:  # all told at once: each drains on its own (suite time)
+            if p.proc.poll() is None:
+                p.proc.terminate()
         for p in procs:
             p.stop()
 
