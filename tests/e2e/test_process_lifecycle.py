@@ -177,3 +177,22 @@ def test_kernel_build_is_not_counted_in_the_ready_timeout(model_dir, monkeypatch
         assert line.endswith("(not counted in --engine-ready-timeout-s)")
     finally:
         client.shutdown()
+
+
+def test_a_failed_start_stops_its_ranks_without_the_shutdown_grace(model_dir):
+    """A start that times out kills its ranks at once: a rank still importing cannot read the
+    shutdown message, so waiting SHUTDOWN_GRACE_S for it only delayed the error."""
+    import multiprocessing
+
+    from widellm.engine.arg_utils import EngineArgs
+    from widellm.engine.core_client import SHUTDOWN_GRACE_S, EngineCoreClient
+
+    # Far less than spawning a core and importing torch take: the start times out.
+    args = EngineArgs(model=model_dir(MODEL_ARCH), dtype="float32", num_kv_blocks=64,
+                      max_model_len=256, engine_ready_timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"engine cores \[0\] not ready after"):
+        EngineCoreClient(args.create_engine_config())
+    assert time.monotonic() - start < SHUTDOWN_GRACE_S
+    assert not [p for p in multiprocessing.active_children()
+                if p.name.startswith("widellm-engine-core")]

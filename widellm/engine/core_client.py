@@ -46,6 +46,8 @@ from widellm.engine.kv_budget import share_host_memory
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
+# How long a SIGKILLed rank gets to be reaped (not a grace: it cannot refuse).
+KILL_REAP_S = 5.0
 _POLL_S = 0.5
 # How long a rank's failure waits for another local rank's death to show (see
 # ``failure_reason``); a rank failing on its own is reported this much later.
@@ -110,13 +112,14 @@ def describe_rank_exit(proc) -> str:
 
 
 def stop_processes(procs: Sequence[multiprocessing.Process], grace_s: float) -> None:
-    """Join, then kill whatever is still running."""
+    """Give them ``grace_s`` in all to exit, then kill whatever is still running and reap it."""
+    deadline = time.monotonic() + grace_s
     for proc in procs:
-        proc.join(grace_s)
+        proc.join(max(0.0, deadline - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.kill()
-            proc.join(grace_s)
+            proc.join(KILL_REAP_S)
 
 
 class EngineCoreClient:
@@ -168,7 +171,10 @@ class EngineCoreClient:
                           else self._ray.start(handshake_addr))
             self.num_kv_blocks = self._handshake(host, pc.engine_ready_timeout_s)
         except BaseException:
-            self.shutdown()
+            # A failed start stops its ranks at once: one still importing or loading would
+            # not read the shutdown message before the grace ran out, and none holds
+            # anything worth saving yet.
+            self.shutdown(grace_s=0.0)
             raise
         self.balancer = DPLoadBalancer(
             self.num_ranks, config.cache_config.block_size, max_tracked_blocks=self.num_kv_blocks
@@ -365,8 +371,9 @@ class EngineCoreClient:
 
     # ---- shutdown ------------------------------------------------------------------------
 
-    def shutdown(self) -> None:
-        """Tell every rank (local or remote) to stop, wait for the local ones, kill laggards."""
+    def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Tell every rank (local or remote) to stop, wait ``grace_s`` for the local ones,
+        kill laggards."""
         for rank in range(self.num_ranks):
             try:
                 self._sync_in.send_multipart(self._frames(RequestKind.SHUTDOWN, rank, b""),
@@ -374,9 +381,9 @@ class EngineCoreClient:
             except zmq.ZMQError:
                 pass  # that rank never connected or is gone
         if self._ray is None:
-            stop_processes(self.procs, SHUTDOWN_GRACE_S)
+            stop_processes(self.procs, grace_s)
         else:
-            self._ray.stop(SHUTDOWN_GRACE_S)
+            self._ray.stop(grace_s)
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._ctx.term()
