@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
 # How long a SIGKILLed rank gets to be reaped (not a grace: it cannot refuse).
 KILL_REAP_S = 5.0
+# How long closing the request socket may take to hand the SHUTDOWN messages of connected
+# ranks (on other machines too) to the network; a failed start no longer waits a grace first.
+SHUTDOWN_FLUSH_MS = 1000
 _POLL_S = 0.5
 # How long a rank's failure waits for another local rank's death to show (see
 # ``failure_reason``); a rank failing on its own is reported this much later.
@@ -384,7 +387,7 @@ class EngineCoreClient:
             stop_processes(self.procs, grace_s)
         else:
             self._ray.stop(grace_s)
-        self._input.close(linger=0)
+        self._input.close(linger=SHUTDOWN_FLUSH_MS)
         self._output.close(linger=0)
         self._ctx.term()
         self._store = None
