@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 import httpx
+from serve_compare import free_port  # this folder is on sys.path when run as a script
 
 READY_TIMEOUT_S = 300.0
 POLL_S = 0.1
@@ -34,12 +34,6 @@ def main():
 if __name__ == "__main__":
     main()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for(checkout: str) -> dict[str, str]:
