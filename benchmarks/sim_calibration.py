@@ -1,10 +1,11 @@
 """The simulator's calibration against the real engine on this machine (issue 26): per round,
-measure the CPU profile, run each case on the engine (a one-sequence probe first, which fits
-the profile's host time per step), simulate each case; print every round and the medians.
+measure the CPU profile, run each case on the engine (probes of 1 and 8 sequences first, which
+fit the profile's host time per step; every engine number the fastest of ``--repeats`` runs),
+simulate each case; print every round and the medians.
 
     .venv/bin/python benchmarks/sim_calibration.py [--rounds 3] [--num-prompts 32
         --input-len 64 --output-len 64] [--write-profile widellm/sim/profiles/cpu.json]
-        [--ep-backends all2all,all2all_fixed]
+        [--ep-backends all2all,all2all_fixed] [--repeats 2]
 
 Run it on an otherwise idle machine (the profile's timings and the engine runs share it).
 ``--write-profile`` saves the last round's calibrated profile (what ``--hardware cpu`` reads).
@@ -27,6 +28,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="engine runs per case and probe in a round; the fastest counts")
     parser.add_argument("--quick-profile", action="store_true")
     parser.add_argument("--write-profile", default=None)
     parser.add_argument("--ep-backends", default="all2all",
@@ -47,7 +50,7 @@ def main() -> None:
     fitted = None
     for r in range(1, args.rounds + 1):
         profile = measure_cpu_profile(quick=args.quick_profile)
-        fitted, rows = calibrate(settings, profile, cases)
+        fitted, rows = calibrate(settings, profile, cases, args.repeats)
         for row in rows:
             errors[row.case.name].append((row.throughput_error, row.step_time_error))
             print(f"| {r} | {row.case.name} | {row.real.output_tok_s:.1f} | "

@@ -10,12 +10,18 @@ sees (Python around every op, sampling, per-request bookkeeping). They are fitte
 *probes* on one rank, one sequence and ``PROBE_SEQS`` sequences decoding, as the real mean step
 time minus the simulated one (a line through the two residuals); the cases compared afterwards
 (more sequences, two expert-parallel ranks) are not used to fit anything.
+
+Every engine number is the fastest of ``repeats`` runs of the same shape (fresh prompts each
+time, probes interleaved), as the profile's micro-benchmarks are the fastest of many calls:
+load from elsewhere on a shared machine only ever makes a run slower, and one disturbed probe
+would otherwise skew the fitted host time and every prediction made with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import tempfile
@@ -101,10 +107,14 @@ def _timed_generate(llm: Any, num_prompts: int, input_len: int, output_len: int,
     return RunNumbers(tokens / elapsed, elapsed / max(steps, 1), steps)
 
 
-def run_engine(settings: EngineSettings, case: CalibrationCase,
-               probe: bool = False) -> tuple[RunNumbers, list[RunNumbers]]:
+def _fastest(runs: list[RunNumbers]) -> RunNumbers:
+    return min(runs, key=lambda r: r.mean_step_s)
+
+
+def run_engine(settings: EngineSettings, case: CalibrationCase, probe: bool = False,
+               repeats: int = 1) -> tuple[RunNumbers, list[RunNumbers]]:
     """(the case, and the probes of one and ``PROBE_SEQS`` sequences before it when
-    ``probe``) on the real engine."""
+    ``probe``) on the real engine, each the fastest of ``repeats`` runs."""
     from widellm import LLM
 
     dp = case.data_parallel_size
@@ -113,14 +123,19 @@ def run_engine(settings: EngineSettings, case: CalibrationCase,
               max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed,
               data_parallel_size=dp, enable_expert_parallel=dp > 1,
               all2all_backend=case.all2all_backend)
+    # Every run draws its prompts from its own seed: no prefix of an earlier run's prompts may
+    # be in the prefix cache (the simulated runs start cold).
+    seeds = itertools.count(settings.seed)
     try:
-        # Each probe draws its prompts from its own seed: no prefix of the case's prompts may
-        # be in the prefix cache when the case runs (the simulated case starts cold).
-        probes = [_timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN,
-                                  settings.seed + 1 + i)
-                  for i, n in enumerate((1, PROBE_SEQS) if probe else ())]
-        return _timed_generate(llm, case.num_prompts, case.input_len, case.output_len,
-                               settings.seed), probes
+        probe_seqs = (1, PROBE_SEQS) if probe else ()
+        probe_runs: dict[int, list[RunNumbers]] = {n: [] for n in probe_seqs}
+        for _ in range(repeats):  # interleaved: a slow spell hits one run of each, not all
+            for n in probe_seqs:
+                probe_runs[n].append(_timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN,
+                                                     next(seeds)))
+        runs = [_timed_generate(llm, case.num_prompts, case.input_len, case.output_len,
+                                next(seeds)) for _ in range(repeats)]
+        return _fastest(runs), [_fastest(probe_runs[n]) for n in probe_seqs]
     finally:
         llm.shutdown()
 
@@ -177,16 +192,16 @@ def fit_host_overhead(settings: EngineSettings, profile: HardwareProfile,
                                step_overhead_per_seq_s=per_seq, source=source)
 
 
-def calibrate(settings: EngineSettings, profile: HardwareProfile,
-              cases: list[CalibrationCase]) -> tuple[HardwareProfile, list[CalibrationRow]]:
-    """Run every case on the engine (the probes with the first DP1 case), fit the host
-    overhead on the probes, then simulate every case. Returns the fitted profile and a row
-    per case."""
+def calibrate(settings: EngineSettings, profile: HardwareProfile, cases: list[CalibrationCase],
+              repeats: int = 2) -> tuple[HardwareProfile, list[CalibrationRow]]:
+    """Run every case on the engine (the probes with the first DP1 case), each the fastest
+    of ``repeats`` runs, fit the host overhead on the probes, then simulate every case.
+    Returns the fitted profile and a row per case."""
     real: dict[str, RunNumbers] = {}
     probes: list[RunNumbers] = []
     for case in cases:
         want_probes = not probes and case.data_parallel_size == 1
-        real[case.name], probed = run_engine(settings, case, probe=want_probes)
+        real[case.name], probed = run_engine(settings, case, want_probes, repeats)
         probes = probes or probed
     if not probes:
         raise ValueError("the cases need one on a single rank (DP1) to carry the probes")
