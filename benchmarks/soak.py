@@ -15,6 +15,10 @@ Usage (a DP2 + EP server with everything on, then the soak):
     widellm serve MODEL --data-parallel-size 2 --enable-expert-parallel --async-scheduling \\
         --enable-dbo on --enable-eplb --enable-prefix-caching --num-kv-blocks 40 ...
     python benchmarks/soak.py http://127.0.0.1:8000 --requests 600 --concurrency 64
+
+Through ``widellm proxy`` (disaggregated prefill/decode), the idle check reads each instance:
+    python benchmarks/soak.py http://127.0.0.1:8000 --idle-url http://127.0.0.1:8100 \
+        --idle-url http://127.0.0.1:8200
 """
 
 from __future__ import annotations
@@ -118,17 +122,22 @@ async def one(client: openai.AsyncOpenAI, model: str, i: int, args, tally: Tally
         tally.failures.append(f"#{i} {kind}: {e!r}"[:300])
 
 
-async def wait_idle(url: str) -> dict[str, float]:
-    """The idle gauges summed over ranks, once all are 0 (or after IDLE_WAIT_S)."""
+async def wait_idle(url: str) -> dict[str, float] | None:
+    """The idle gauges summed over ranks, once all are 0 (or after IDLE_WAIT_S); None when
+    ``url`` has none of them (a proxy: its instances are to be checked)."""
     deadline = time.monotonic() + IDLE_WAIT_S
     async with httpx.AsyncClient() as http:
         while True:
             text = (await http.get(url + "/metrics")).text
             values = dict.fromkeys(IDLE_GAUGES, 0.0)
+            seen = False
             for line in text.splitlines():
                 name = line.split("{", 1)[0].split(" ", 1)[0]
                 if name in values:
                     values[name] += float(line.rsplit(" ", 1)[-1])
+                    seen = True
+            if not seen:
+                return None
             if not any(values.values()) or time.monotonic() > deadline:
                 return values
             await asyncio.sleep(POLL_S)
@@ -148,9 +157,15 @@ async def main(args) -> int:
     await asyncio.wait_for(asyncio.gather(*(gated(i) for i in range(args.requests))),
                            args.timeout_s)
     elapsed = time.monotonic() - start
-    idle = await wait_idle(args.url)
-    if any(idle.values()):
-        tally.failures.append(f"not idle {IDLE_WAIT_S:.0f} s after the last request: {idle}")
+    idle = {}
+    for url in args.idle_url or [args.url]:
+        idle[url] = await wait_idle(url)
+        if idle[url] is None:
+            tally.failures.append(f"{url} has no {IDLE_GAUGES[0]} gauge (behind a proxy, "
+                                  "name each instance with --idle-url)")
+        elif any(idle[url].values()):
+            tally.failures.append(f"{url} not idle {IDLE_WAIT_S:.0f} s after the last "
+                                  f"request: {idle[url]}")
     print(json.dumps({**tally.counts, "failures": len(tally.failures),
                       "elapsed_s": round(elapsed, 1), "idle": idle}))
     for failure in tally.failures[:args.show]:
@@ -168,6 +183,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default="EMPTY")
     p.add_argument("--request-timeout-s", type=float, default=120.0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="for the whole soak")
+    p.add_argument("--idle-url", action="append", default=None,
+                   help="a server whose ranks must be idle afterwards (repeatable; default: "
+                        "url). Behind `widellm proxy`, each prefill and decode instance")
     p.add_argument("--show", type=int, default=20, help="failures to print")
     return p.parse_args(argv)
 

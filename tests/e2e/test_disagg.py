@@ -29,6 +29,7 @@ NUM_LOADS = len(PROMPTS) + sum((len(p) - 1) % BLOCK_SIZE != 0 for p in PROMPTS)
 # The streamed flow's prompts: new to both instances after the sequential tests ran.
 STREAMED_PROMPTS = [[t + 1 for t in p] for p in PROMPTS]
 STREAMED = ["--kv-transfer-mode", "streamed"]
+LEASE_S = 30.0  # the TCP connector's default lease_s (kv_flags sets none)
 
 
 def _reference(path: str, prompts: list[list[int]]) -> list[str]:
@@ -191,3 +192,21 @@ def test_openai_client_32_concurrent_and_chat(llama):
     assert loads - loads_before == NUM_CONCURRENT + 2
     wait_for_metric(prefill, "widellm:kv_transfer_blocks_held", lambda v: v == 0)
     assert kv_usage(prefill) == 0 and kv_usage(decode) == 0
+
+
+@pytest.mark.parametrize("flow", ["sequential", "streamed"])
+def test_a_request_the_decode_refuses_leaves_no_blocks_held(llama_deployment, flow):
+    """``max_tokens: -1`` passes the prefill (asked for one token) and is refused by the decode
+    instance (400): the proxy releases the prefill's blocks at once instead of leaving them
+    held for the 30 s lease (the poll below gives up at half of it)."""
+    _, prefill, _, proxy, streamed = llama_deployment
+    proxy = proxy if flow == "sequential" else streamed
+    prompt = [t + 5 for t in PROMPTS[4]]  # new to both instances
+    r = httpx.post(proxy.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                   json={"prompt": prompt, "max_tokens": -1})
+    assert r.status_code == 400, r.text
+    wait_for_metric(proxy, "widellm:proxy_prefill_releases_total", lambda v: v == 1,
+                    outcome="released")
+    wait_for_metric(prefill, "widellm:kv_transfer_blocks_held", lambda v: v == 0,
+                    timeout_s=LEASE_S / 2)
+    assert kv_usage(prefill) == 0

@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_proxy(args: argparse.Namespace) -> None:
-    from widellm.kv_transfer.proxy import run_proxy
+    from widellm.kv_transfer.proxy_main import run_proxy
 
     run_proxy(args)
 

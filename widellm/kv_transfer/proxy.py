@@ -7,35 +7,32 @@ and answers with ``kv_transfer_params`` saying where those blocks are; a decode 
 then sent the client's request with those params, pulls the blocks instead of recomputing
 them, and generates; its answer (streamed or not) goes back to the client as it arrives.
 Prefill is retried on other instances (it has no side effect the client sees); decode only
-when the connection failed before the request was sent.
+when the connection failed before the request was sent. A prefill whose decode never came
+(refused with a 4xx, or no decode instance reached) is released (``proxy_release.py``).
 
 No module-global state: each ``build_app`` owns its pools, httpx client and registry.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hmac
 import json
 import logging
-import signal
-import socket
-import sys
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from http import HTTPStatus
 from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from widellm.kv_transfer.proxy_release import PrefillReleases
 from widellm.kv_transfer.proxy_routing import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_MAX_LOAD_IMBALANCE,
@@ -49,7 +46,6 @@ from widellm.kv_transfer.proxy_routing import (
     skips_disaggregation,
 )
 from widellm.kv_transfer.proxy_streamed import StreamedFlow
-from widellm.listen import bind_or_exit
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +62,6 @@ HEALTH_TIMEOUT_S = 2.0
 KEEPALIVE_CONNECTIONS = 64
 # Characters of a failing backend's answer quoted in a 502 message.
 ERROR_DETAIL_CHARS = 300
-STARTUP_POLL_S = 0.05
-# Addresses meaning "every interface": the log then names one a local client can reach.
-_WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
-_LOCAL_HOST = "127.0.0.1"
 # Error ``type`` per status as the API server's (whose errors module imports the engine).
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
@@ -110,6 +102,7 @@ class Proxy:
         self.pools = {PREFILL: InstancePool(prefill_urls, max_load_imbalance),
                       DECODE: InstancePool(decode_urls, max_load_imbalance)}
         self.metrics = ProxyMetrics()
+        self.releases = PrefillReleases(self.metrics.prefill_releases)
         self.client: httpx.AsyncClient | None = None  # opened by the app's lifespan
         # The streamed flow (prefill and decode at once; see proxy_streamed.py), if chosen.
         self.streamed = (StreamedFlow(self.pools[PREFILL], self.metrics)
@@ -129,7 +122,7 @@ class Proxy:
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         keys = block_keys(prompt_text(body, chat))
-        decode_body = body
+        decode_body, params = body, None
         if not skips_disaggregation(body):
             params = (await self.streamed.start(path, body, chat, keys, headers)
                       if self.streamed is not None else None)
@@ -139,7 +132,11 @@ class Proxy:
                     return failed
             if params is not None:  # None: the decode computes the prompt itself
                 decode_body = {**body, "kv_transfer_params": params}
-        return await self._decode(path, decode_body, keys, headers, bool(body.get("stream")))
+        response, taken = await self._decode(path, decode_body, keys, headers,
+                                             bool(body.get("stream")))
+        if params is not None and not taken:
+            self.releases.start(params)
+        return response
 
     async def _prefill(self, path: str, body: dict[str, Any], keys: list[bytes],
                        headers: dict[str, str]) -> tuple[dict | None, Response | None]:
@@ -181,8 +178,9 @@ class Proxy:
             HTTPStatus.BAD_GATEWAY)
 
     async def _decode(self, path: str, body: dict[str, Any], keys: list[bytes],
-                      headers: dict[str, str], stream: bool) -> Response:
-        """The decode instance's answer, streamed through when it is a 200 stream."""
+                      headers: dict[str, str], stream: bool) -> tuple[Response, bool]:
+        """(the decode instance's answer, streamed through when it is a 200 stream; whether an
+        instance took the request: False after a 4xx or when none could be reached)."""
         pool = self.pools[DECODE]
         request_id = headers[REQUEST_ID_HEADER]
         tried: list[int] = []
@@ -204,26 +202,27 @@ class Proxy:
                 call.finish(ERROR_STATUS)
                 pool.mark_failed(index)
                 return error_response(f"decode instance {url} failed: {_describe(e)}",
-                                      HTTPStatus.BAD_GATEWAY)
+                                      HTTPStatus.BAD_GATEWAY), True
             pool.mark_ok(index)
             pool.record(index, keys)
             if stream and resp.status_code == HTTPStatus.OK:
                 return StreamingResponse(
                     self._relay(resp, call, url), status_code=resp.status_code,
                     media_type=resp.headers.get("content-type"),
-                    headers={REQUEST_ID_HEADER: request_id})
+                    headers={REQUEST_ID_HEADER: request_id}), True
             try:
                 content = await resp.aread()
             except httpx.TransportError as e:
                 call.finish(ERROR_STATUS)
                 return error_response(f"decode instance {url} failed: {_describe(e)}",
-                                      HTTPStatus.BAD_GATEWAY)
+                                      HTTPStatus.BAD_GATEWAY), True
             finally:
                 await resp.aclose()
             call.finish(resp.status_code)
-            return _passthrough(resp, content, request_id)
+            refused = HTTPStatus.BAD_REQUEST <= resp.status_code < HTTPStatus.INTERNAL_SERVER_ERROR
+            return _passthrough(resp, content, request_id), not refused
         return error_response("no decode instance could be reached: " + "; ".join(failures),
-                              HTTPStatus.BAD_GATEWAY)
+                              HTTPStatus.BAD_GATEWAY), False
 
     async def _relay(self, resp: httpx.Response, call: BackendCall,
                      url: str) -> AsyncIterator[bytes]:
@@ -321,6 +320,7 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
             finally:
                 if proxy.streamed is not None:
                     await proxy.streamed.close()
+                await proxy.releases.close()
                 proxy.client = None
 
     app = FastAPI(title="widellm proxy", lifespan=lifespan)
@@ -356,44 +356,3 @@ def build_app(prefill_urls: Sequence[str], decode_urls: Sequence[str], *,
     app.include_router(public)
     app.include_router(api)
     return app
-
-
-def build_app_from_args(args: argparse.Namespace) -> FastAPI:
-    return build_app(args.prefill, args.decode, api_key=args.api_key,
-                     max_load_imbalance=args.max_load_imbalance,
-                     request_timeout_s=args.request_timeout_s,
-                     connect_timeout_s=args.connect_timeout_s,
-                     kv_transfer_mode=args.kv_transfer_mode)
-
-
-async def _serve(server: uvicorn.Server, sock: socket.socket, args: argparse.Namespace) -> None:
-    """Run uvicorn on the bound ``sock`` and log its real address (even for --port 0)."""
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(STARTUP_POLL_S)
-    if server.started:
-        host, port = sock.getsockname()[:2]
-        host = _LOCAL_HOST if host in _WILDCARD_HOSTS else host
-        host = f"[{host}]" if ":" in host else host
-        logger.info("widellm proxy at http://%s:%d (OpenAI-compatible proxy over %d prefill "
-                    "and %d decode instances)", host, port, len(args.prefill), len(args.decode))
-    await task
-
-
-def _exit_on_sigterm(signum: int, _frame: Any) -> None:
-    raise SystemExit(0)  # uvicorn re-raises SIGTERM after its shutdown: exit 0, not -15
-
-
-def run_proxy(args: argparse.Namespace) -> None:
-    """``widellm proxy``: bind the port (failing at once if it is taken), then serve."""
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    sock = bind_or_exit(args.host, args.port)
-    with sock:
-        server = uvicorn.Server(uvicorn.Config(build_app_from_args(args),
-                                               log_level=args.uvicorn_log_level))
-        try:
-            asyncio.run(_serve(server, sock, args))
-        except KeyboardInterrupt:
-            pass
-    if not server.started:
-        sys.exit(1)  # uvicorn could not start (it logged why)

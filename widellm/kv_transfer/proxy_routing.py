@@ -215,6 +215,10 @@ class ProxyMetrics:
         self.prefill_fallbacks = Counter(
             "widellm:proxy_prefill_fallbacks", "Times a request moved on to the next prefill "
             "instance after one failed", registry=r)
+        self.prefill_releases = Counter(
+            "widellm:proxy_prefill_releases", "Prefills whose held KV blocks the proxy let go "
+            "because no decode instance took the request, by outcome", ["outcome"],
+            registry=r)
         self.streamed = Counter(
             "widellm:proxy_streamed_transfers", "Requests sent to a prefill and a decode "
             "instance at once (--kv-transfer-mode streamed)", registry=r)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from widellm.kv_transfer import faults, tcp_client
+from widellm.kv_transfer import faults, tcp_client, tcp_control
 from widellm.kv_transfer.base import (
     KVConnectorMetadata, KVConnectorOutput, KVConnectorWorker, LoadSpec,
 )
@@ -230,8 +230,8 @@ class TCPConnectorWorker(KVConnectorWorker):
                 for ids, is_streamed in (([r for _, r in pairs if r not in streamed], False),
                                          (streamed, True)):
                     if ids:
-                        tcp_client.release(host, port, engine, ids, HEARTBEAT_TIMEOUT_S,
-                                           is_streamed)
+                        tcp_control.release(host, port, engine, ids, HEARTBEAT_TIMEOUT_S,
+                                            is_streamed)
             except TransferError as e:  # the lease frees them in the end
                 logger.info("KV release at %s:%s failed: %s", host, port, e)
 
@@ -246,8 +246,8 @@ class TCPConnectorWorker(KVConnectorWorker):
                 remote_to_local = {remote: local for local, remote in pairs}
                 cause = "unknown_request"
                 try:
-                    unknown = tcp_client.heartbeat(host, port, engine, list(remote_to_local),
-                                                   HEARTBEAT_TIMEOUT_S)
+                    unknown = tcp_control.heartbeat(host, port, engine, list(remote_to_local),
+                                                    HEARTBEAT_TIMEOUT_S)
                 except TransferError as e:
                     if e.cause != "engine_mismatch":  # maybe transient; a dead producer
                         logger.info("KV heartbeat to %s:%s failed: %s", host, port, e)

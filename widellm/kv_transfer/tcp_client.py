@@ -1,8 +1,8 @@
-"""The consumer's side of the TCP connector: pull a request's blocks, heartbeat, release."""
+"""The consumer's side of the TCP connector: pull a request's blocks (heartbeats and releases
+are ``tcp_control``'s)."""
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -10,30 +10,8 @@ import torch
 
 from widellm.kv_transfer.kv_layout import describe, layer_nbytes, scatter_blocks
 from widellm.kv_transfer.stats import TransferError
+from widellm.kv_transfer.tcp_control import answer, connect
 from widellm.kv_transfer.wire import Receiver, send_message
-
-# Connecting to a live producer takes well under this; a dead host is not worth more.
-CONNECT_TIMEOUT_S = 5.0
-
-
-def _connect(params: dict[str, Any], timeout_s: float) -> socket.socket:
-    try:
-        sock = socket.create_connection((params["remote_host"], int(params["remote_port"])),
-                                        timeout=min(CONNECT_TIMEOUT_S, timeout_s))
-    except OSError as e:
-        raise TransferError("connection", f"cannot reach the producer at "
-                            f"{params['remote_host']}:{params['remote_port']}: {e}") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def _answer(receiver: Receiver) -> dict[str, Any]:
-    reply = receiver.message()
-    if not reply.get("ok"):
-        cause = reply.get("cause", "connection")
-        raise TransferError(cause if isinstance(cause, str) else "connection",
-                            str(reply.get("error", "refused")))
-    return reply
 
 
 def pull(params: dict[str, Any], remote_block_ids: list[int], local_block_ids: list[int],
@@ -42,7 +20,7 @@ def pull(params: dict[str, Any], remote_block_ids: list[int], local_block_ids: l
     layer written only once its checksum matched; returns the payload bytes received."""
     deadline = time.monotonic() + timeout_s
     local = torch.tensor(local_block_ids, dtype=torch.int64)
-    with _connect(params, timeout_s) as sock:
+    with connect(params, timeout_s) as sock:
         try:
             send_message(sock, {"op": "pull", "engine_id": params["remote_engine_id"],
                                 "request_id": params["remote_request_id"],
@@ -60,7 +38,7 @@ def pull_stream(params: dict[str, Any], first_block: int, num_tokens: int,
     producer wrote its first ``num_tokens`` tokens; ``timeout_s`` bounds each wait (for the
     prompt to be scheduled there, then for each layer). Returns the payload bytes."""
     local = torch.tensor(local_block_ids, dtype=torch.int64)
-    with _connect(params, timeout_s) as sock:
+    with connect(params, timeout_s) as sock:
         try:
             send_message(sock, {
                 "op": "pull_stream", "engine_id": params["remote_engine_id"],
@@ -81,7 +59,7 @@ def _receive_layers(receiver: Receiver, caches: list[torch.Tensor], block_dims: 
     """The header, then one frame per layer written into blocks ``local`` (each only once its
     checksum matched), then the acknowledgement; ``per_layer_s`` gives each layer its own
     deadline (a streamed pull) instead of the receiver's one for all."""
-    reply = _answer(receiver)
+    reply = answer(receiver)
     if reply.get("layout") != describe(caches, block_dims):
         raise TransferError("layout", "the producer's KV cache layout differs from ours")
     total = 0
@@ -97,29 +75,3 @@ def _receive_layers(receiver: Receiver, caches: list[torch.Tensor], block_dims: 
     except OSError:
         pass  # everything arrived; the producer ends the hold either way
     return total
-
-
-def _call(host: str, port: int, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    params = {"remote_host": host, "remote_port": port}
-    with _connect(params, timeout_s) as sock:
-        try:
-            send_message(sock, message)
-        except OSError as e:
-            raise TransferError("connection", f"request not sent: {e}") from None
-        return _answer(Receiver(sock, time.monotonic() + timeout_s))
-
-
-def heartbeat(host: str, port: int, engine_id: str, request_ids: list[str],
-              timeout_s: float) -> list[str]:
-    """Extend the producer's leases; returns the ids it no longer holds."""
-    reply = _call(host, port, {"op": "heartbeat", "engine_id": engine_id,
-                               "request_ids": request_ids}, timeout_s)
-    return [str(r) for r in reply.get("unknown", [])]
-
-
-def release(host: str, port: int, engine_id: str, request_ids: list[str],
-            timeout_s: float, streamed: bool = False) -> None:
-    """Let go of these holds; ``streamed``: the ids are transfer ids, which the producer
-    may not have scheduled yet (it then remembers to let go once it has)."""
-    _call(host, port, {"op": "release", "engine_id": engine_id, "request_ids": request_ids,
-                       "streamed": streamed}, timeout_s)
