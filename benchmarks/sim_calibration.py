@@ -44,8 +44,8 @@ def main() -> None:
     settings = EngineSettings(args.model, num_kv_blocks=1024, max_num_seqs=args.num_prompts,
                               max_num_batched_tokens=args.num_prompts * args.input_len)
     print("| round | case | real tok/s | simulated tok/s | error | real mean step ms | "
-          "simulated | error | host ms/step (probe) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "simulated | error | host ms/step (probe) | host ms/seq (probe) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     errors: dict[str, list[tuple[float, float]]] = {c.name: [] for c in cases}
     fitted = None
     for r in range(1, args.rounds + 1):
@@ -56,7 +56,8 @@ def main() -> None:
             print(f"| {r} | {row.case.name} | {row.real.output_tok_s:.1f} | "
                   f"{row.simulated.output_tok_s:.1f} | {row.throughput_error:+.1%} | "
                   f"{row.real.mean_step_s * 1e3:.1f} | {row.simulated.mean_step_s * 1e3:.1f} | "
-                  f"{row.step_time_error:+.1%} | {fitted.step_overhead_s * 1e3:.1f} |", flush=True)
+                  f"{row.step_time_error:+.1%} | {fitted.step_overhead_s * 1e3:.1f} | "
+                  f"{fitted.step_overhead_per_seq_s * 1e3:.2f} |", flush=True)
     for name, errs in errors.items():
         print(f"median error {name}: tok/s {statistics.median(e[0] for e in errs):+.1%}, "
               f"mean step {statistics.median(e[1] for e in errs):+.1%}")
