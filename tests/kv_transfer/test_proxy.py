@@ -173,6 +173,21 @@ def test_decode_connect_failure_tries_the_next_then_502(cluster):
     assert requests_total(metric_values(url2), "decode", dead, "error") == 1.0
 
 
+def test_a_draining_decode_passes_the_request_to_the_next(cluster):
+    """A 503 (a draining instance refuses new requests before its engine sees them) moves on
+    to the next decode instance with the same prefill params; that instance is passed over
+    for a while after."""
+    (p,) = cluster.backends("prefill", 1)
+    d0, d1 = cluster.backends("decode", 2)
+    d0.status = 503
+    url = cluster.proxy([p.url], [d0.url, d1.url])
+    for _ in range(2):
+        assert httpx.post(url + "/v1/completions", json=COMPLETION).json() == DECODE_ANSWER
+    assert len(p.bodies) == 2 and len(d0.bodies) == 1 and len(d1.bodies) == 2
+    assert d1.bodies[0]["kv_transfer_params"] == p.kv_params
+    assert requests_total(metric_values(url), "decode", d0.url, "503") == 1.0
+
+
 def test_api_key(cluster):
     p, d = cluster.pair()
     url = cluster.proxy([p.url], [d.url], api_key="sekret")

@@ -1,5 +1,5 @@
 """``widellm proxy`` lets go of a prefill's held KV blocks when no decode instance took the
-request (a 4xx from decode, or no decode instance reachable), over a fake producer side
+request (a 4xx or 503 from decode, or no decode instance reachable), over a fake producer side
 channel that records what it is sent; and only then (a decode that answered, or failed after
 it may have started pulling, releases nothing from the proxy)."""
 
@@ -97,12 +97,21 @@ def test_no_reachable_decode_releases_the_prefills_blocks(cluster, side_channel)
     assert side_channel.wait_for(1) == [_release("rid-no-decode")]
 
 
+def test_a_draining_decode_with_none_to_fall_back_on_releases(cluster, side_channel):
+    p, d = cluster.pair()
+    p.kv_params = _params(side_channel.port, "rid-draining")
+    d.status = 503
+    url = cluster.proxy([p.url], [d.url])
+    assert httpx.post(url + "/v1/completions", json=COMPLETION).status_code == 503
+    assert side_channel.wait_for(1) == [_release("rid-draining")]
+
+
 def test_a_decode_that_answered_releases_nothing(cluster, side_channel):
-    """A 200 (the decode pulled) and a 5xx (it may have started: its own connector releases)
+    """A 200 (the decode pulled) and a 500 (it may have started: its own connector releases)
     send nothing; a 4xx after them sends exactly its own release."""
     p, d = cluster.pair()
     url = cluster.proxy([p.url], [d.url])
-    for status, rid in ((200, "rid-ok"), (503, "rid-failed"), (400, "rid-refused")):
+    for status, rid in ((200, "rid-ok"), (500, "rid-failed"), (400, "rid-refused")):
         p.kv_params = _params(side_channel.port, rid)
         d.status = status
         assert httpx.post(url + "/v1/completions", json=COMPLETION).status_code == status

@@ -7,8 +7,9 @@ and answers with ``kv_transfer_params`` saying where those blocks are; a decode 
 then sent the client's request with those params, pulls the blocks instead of recomputing
 them, and generates; its answer (streamed or not) goes back to the client as it arrives.
 Prefill is retried on other instances (it has no side effect the client sees); decode only
-when the connection failed before the request was sent. A prefill whose decode never came
-(refused with a 4xx, or no decode instance reached) is released (``proxy_release.py``).
+when the connection failed before the request was sent or the instance answered 503
+(draining). A prefill whose decode never came (refused with a 4xx or a 503, or no decode
+instance reached) is released (``proxy_release.py``).
 
 No module-global state: each ``build_app`` owns its pools, httpx client and registry.
 """
@@ -180,7 +181,8 @@ class Proxy:
     async def _decode(self, path: str, body: dict[str, Any], keys: list[bytes],
                       headers: dict[str, str], stream: bool) -> tuple[Response, bool]:
         """(the decode instance's answer, streamed through when it is a 200 stream; whether an
-        instance took the request: False after a 4xx or when none could be reached)."""
+        instance took the request: False after a 4xx or a 503, or when none could be
+        reached). A 503 (a draining instance) moves on to the next instance, if any."""
         pool = self.pools[DECODE]
         request_id = headers[REQUEST_ID_HEADER]
         tried: list[int] = []
@@ -203,6 +205,14 @@ class Proxy:
                 pool.mark_failed(index)
                 return error_response(f"decode instance {url} failed: {_describe(e)}",
                                       HTTPStatus.BAD_GATEWAY), True
+            if resp.status_code == HTTPStatus.SERVICE_UNAVAILABLE and len(tried) < len(pool):
+                # Draining: refused before its engine saw the request, so another instance
+                # may take it (the prefill's blocks wait for whichever consumer pulls them).
+                await resp.aclose()
+                call.finish(resp.status_code)
+                pool.mark_failed(index)
+                failures.append(f"{url}: HTTP 503")
+                continue
             pool.mark_ok(index)
             pool.record(index, keys)
             if stream and resp.status_code == HTTPStatus.OK:
@@ -219,7 +229,8 @@ class Proxy:
             finally:
                 await resp.aclose()
             call.finish(resp.status_code)
-            refused = HTTPStatus.BAD_REQUEST <= resp.status_code < HTTPStatus.INTERNAL_SERVER_ERROR
+            refused = (HTTPStatus.BAD_REQUEST <= resp.status_code < HTTPStatus.INTERNAL_SERVER_ERROR
+                       or resp.status_code == HTTPStatus.SERVICE_UNAVAILABLE)
             return _passthrough(resp, content, request_id), not refused
         return error_response("no decode instance could be reached: " + "; ".join(failures),
                               HTTPStatus.BAD_GATEWAY), False
