@@ -206,8 +206,10 @@ class Proxy:
                 return error_response(f"decode instance {url} failed: {_describe(e)}",
                                       HTTPStatus.BAD_GATEWAY), True
             if resp.status_code == HTTPStatus.SERVICE_UNAVAILABLE and len(tried) < len(pool):
-                # Draining: refused before its engine saw the request, so another instance
-                # may take it (the prefill's blocks wait for whichever consumer pulls them).
+                # Draining: it refused the request, or its shutdown ended it with nothing
+                # sent. Another instance may take it: the prefill's blocks wait for whichever
+                # consumer pulls them (if the first already had, the second's pull fails and
+                # follows its kv_load_failure_policy).
                 await resp.aclose()
                 call.finish(resp.status_code)
                 pool.mark_failed(index)
