@@ -18,6 +18,8 @@ repeated rounds: ``benchmarks/sim_calibration.py``, results in docs/BENCHMARKS.m
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from widellm.sim.calibration import CalibrationCase, EngineSettings, calibrate
@@ -67,6 +69,9 @@ def test_simulator_predicts_the_engine_on_this_machine():
         tables.append(table)
         if within:
             print(table)
+            if len(tables) > 1:  # shown in the run's warnings summary, so CI logs keep it
+                warnings.warn("calibration round(s) outside the bound before this one "
+                              "passed:\n" + "\n--\n".join(tables[:-1]))
             return
     raise AssertionError("\n--\n".join(tables))
 
