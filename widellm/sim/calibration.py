@@ -23,9 +23,11 @@ import argparse
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import os
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,3 +210,49 @@ def calibrate(settings: EngineSettings, profile: HardwareProfile, cases: list[Ca
     fitted = fit_host_overhead(settings, profile, probes)
     return fitted, [CalibrationRow(c, real[c.name], simulate_case(settings, fitted, c))
                     for c in cases]
+
+
+def _calibrate_child(conn: Any, settings: EngineSettings, cases: list[CalibrationCase],
+                     quick_profile: bool, repeats: int) -> None:
+    from widellm.sim.profiles.measure_cpu import measure_cpu_profile
+
+    try:
+        profile = measure_cpu_profile(quick=quick_profile)
+        conn.send(("ok", calibrate(settings, profile, cases, repeats)))
+    except BaseException:  # the parent raises it with the child's traceback
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def calibrate_in_fresh_process(settings: EngineSettings, cases: list[CalibrationCase],
+                               quick_profile: bool = True, repeats: int = 2,
+                               timeout_s: float = 600.0
+                               ) -> tuple[HardwareProfile, list[CalibrationRow]]:
+    """Measure this machine's profile, then ``calibrate``, in a fresh (spawned) process: a
+    one-rank engine runs in its caller's process, so a long-lived caller (a test session: its
+    heap, threads left by earlier tests) would slow the real side and not the profile's
+    kernels; ``bench throughput`` and ``benchmarks/sim_calibration.py`` start fresh too. The
+    child is killed if it has not answered within ``timeout_s``."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_calibrate_child,
+                       args=(child, settings, cases, quick_profile, repeats))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout_s):
+            raise TimeoutError(f"calibration did not finish within {timeout_s:g} s")
+        status, value = parent.recv()
+    except EOFError:
+        raise RuntimeError(f"the calibration process died (exit code {proc.exitcode})") from None
+    finally:
+        if proc.is_alive():
+            proc.join(timeout=5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        parent.close()
+    if status != "ok":
+        raise RuntimeError(f"calibration failed in its process:\n{value}")
+    return value
