@@ -99,10 +99,14 @@ class FakeBackend:
         return {"object": "list", "data": [{"id": f"model-of-{self.url}"}]}
 
 
-def dead_url() -> str:
-    """A URL nothing listens on (connections are refused at once)."""
+def dead_port() -> int:
+    """A port of 127.0.0.1 nothing listens on (connections are refused at once)."""
     with socket.create_server(("127.0.0.1", 0)) as s:
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+        return s.getsockname()[1]
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{dead_port()}"
 
 
 def metric_values(url: str) -> dict[tuple[str, frozenset], float]:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.kv_transfer.proxy_fakes import COMPLETION, dead_url, metric_values
+from tests.kv_transfer.proxy_fakes import COMPLETION, dead_port, dead_url, metric_values
 from widellm.kv_transfer.proxy_release import ReleaseTarget, release_target
 from widellm.kv_transfer.wire import Receiver, send_message
 
@@ -121,9 +121,7 @@ def test_a_decode_that_answered_releases_nothing(cluster, side_channel):
 
 def test_a_release_nobody_answers_is_counted_and_the_client_is_not_kept(cluster):
     p, d = cluster.pair()
-    with socket.create_server(("127.0.0.1", 0)) as s:  # closed again: connections refused
-        port = s.getsockname()[1]
-    p.kv_params = _params(port, "rid-lost")
+    p.kv_params = _params(dead_port(), "rid-lost")
     d.status = 422
     url = cluster.proxy([p.url], [d.url])
     assert httpx.post(url + "/v1/completions", json=COMPLETION).status_code == 422

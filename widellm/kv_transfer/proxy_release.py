@@ -5,12 +5,11 @@ default) for the decode instance to pull; a decode instance that took the reques
 them, or releases them if the request ends first. One that never took it does neither: it
 refused the request with a 4xx (the prefill's one-token request cannot show a bad
 ``max_tokens`` or ``min_tokens``) or a 503 (draining, and no other decode instance to try),
-or no decode instance could be reached. Then the proxy
-sends the release itself over the prefill instance's side channel (``tcp_control``), as a
-consumer would, in the background so that the client's answer does not wait for it;
-otherwise the blocks would stay held, out of the prefill instance's pool, until the lease
-runs out. Prefills whose params name no side channel (the file connector) are left to their
-connector.
+or no decode instance could be reached. Then the proxy sends the release itself over the
+prefill instance's side channel (``tcp_control``), as a consumer would, in the background so
+that the client's answer does not wait for it; otherwise the blocks would stay held, out of
+the prefill instance's pool, until the lease runs out. Prefills whose params name no side
+channel (the file connector) are left to their connector.
 """
 
 from __future__ import annotations
