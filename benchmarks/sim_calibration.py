@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--ep-backends", default="all2all",
                         help="comma-separated all-to-all backends of the DP2 + EP2 cases")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     shape = (args.num_prompts, args.input_len, args.output_len)
     cases = [CalibrationCase("dp1", 1, *shape)] + [
         CalibrationCase("dp2-ep2" + ("" if b == "all2all" else f"-{b}"), 2, *shape, b)

@@ -199,6 +199,8 @@ def calibrate(settings: EngineSettings, profile: HardwareProfile, cases: list[Ca
     """Run every case on the engine (the probes with the first DP1 case), each the fastest
     of ``repeats`` runs, fit the host overhead on the probes, then simulate every case.
     Returns the fitted profile and a row per case."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     real: dict[str, RunNumbers] = {}
     probes: list[RunNumbers] = []
     for case in cases:
