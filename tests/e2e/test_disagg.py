@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from tests.e2e import disagg_utils
 from tests.e2e.disagg_utils import ProxyProcess, kv_flags, kv_usage, started, wait_for_metric
 from tests.e2e.server_harness import REQUEST_TIMEOUT_S, ServerProcess, metric, metrics
 from widellm import LLM, SamplingParams
@@ -194,19 +195,31 @@ def test_openai_client_32_concurrent_and_chat(llama):
     assert kv_usage(prefill) == 0 and kv_usage(decode) == 0
 
 
-@pytest.mark.parametrize("flow", ["sequential", "streamed"])
+@pytest.mark.parametrize("flow", ["sequential", "streamed", "direct"])
 def test_a_request_the_decode_refuses_leaves_no_blocks_held(llama_deployment, flow):
     """``max_tokens: -1`` passes the prefill (asked for one token) and is refused by the decode
-    instance (400): the proxy releases the prefill's blocks at once instead of leaving them
-    held for the 30 s lease (the poll below gives up at half of it)."""
-    _, prefill, _, proxy, streamed = llama_deployment
-    proxy = proxy if flow == "sequential" else streamed
-    prompt = [t + 5 for t in PROMPTS[4]]  # new to both instances
-    r = httpx.post(proxy.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
-                   json={"prompt": prompt, "max_tokens": -1})
+    instance (400): the prefill's blocks are released at once instead of being left held for
+    the 30 s lease (the poll below gives up at half of it). Through the proxy, by the proxy
+    (and the decode instance); called directly, as another router would, by the decode
+    instance's server."""
+    _, prefill, decode, proxy, streamed = llama_deployment
+    # New to both instances (and to the other flows' runs).
+    prompt = [t + 5 + ("sequential", "streamed", "direct").index(flow) for t in PROMPTS[4]]
+    released_before = metric(metrics(decode), "widellm:refused_prefill_releases_total",
+                             outcome="released")
+    if flow == "direct":
+        params = disagg_utils.prefill(prefill, prompt)
+        wait_for_metric(prefill, "widellm:kv_transfer_blocks_held", lambda v: v > 0)
+        r = disagg_utils.decode(decode, prompt, params, max_tokens=-1)
+    else:
+        r = httpx.post((proxy if flow == "sequential" else streamed).url + "/v1/completions",
+                       timeout=REQUEST_TIMEOUT_S, json={"prompt": prompt, "max_tokens": -1})
+        wait_for_metric(proxy if flow == "sequential" else streamed,
+                        "widellm:proxy_prefill_releases_total", lambda v: v == 1,
+                        outcome="released")
     assert r.status_code == 400, r.text
-    wait_for_metric(proxy, "widellm:proxy_prefill_releases_total", lambda v: v == 1,
-                    outcome="released")
     wait_for_metric(prefill, "widellm:kv_transfer_blocks_held", lambda v: v == 0,
                     timeout_s=LEASE_S / 2)
     assert kv_usage(prefill) == 0
+    wait_for_metric(decode, "widellm:refused_prefill_releases_total",
+                    lambda v: v == released_before + 1, outcome="released")

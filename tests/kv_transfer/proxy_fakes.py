@@ -1,6 +1,6 @@
 """Fake prefill and decode instances for the proxy tests (FastAPI apps served by uvicorn in
-threads on free ports) and readers of the proxy's /metrics; the ``cluster`` fixture that
-starts them is in ``conftest.py``."""
+threads on free ports), a fake producer side channel, and readers of /metrics; the
+``cluster`` fixture that starts the instances is in ``conftest.py``."""
 
 from __future__ import annotations
 
@@ -15,8 +15,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
+from widellm.kv_transfer.wire import Receiver, send_message
+
 STARTUP_TIMEOUT_S = 10.0
 GATE_TIMEOUT_S = 10.0
+WAIT_S = 10.0
+POLL_S = 0.01
+ENGINE = "prefill-engine-0"  # the fake side channel's producer
 SSE_CHUNKS = [b'data: {"id": "c1", "choices": [{"index": 0, "text": "Hel"}]}\n\n',
               b'data: {"id": "c1", "choices": [{"index": 0, "text": "lo"}]}\n\n',
               b"data: [DONE]\n\n"]
@@ -97,6 +102,44 @@ class FakeBackend:
 
     async def _models(self):
         return {"object": "list", "data": [{"id": f"model-of-{self.url}"}]}
+
+
+class FakeSideChannel:
+    """A producer's side channel on a free port: records each message, answers ok."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.messages: list[dict] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                self.messages.append(Receiver(conn, time.monotonic() + WAIT_S).message())
+                send_message(conn, {"ok": True})
+
+    def wait_for(self, count: int) -> list[dict]:
+        deadline = time.monotonic() + WAIT_S
+        while len(self.messages) < count and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return self.messages
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not)
+        self.sock.close()
+        self.thread.join(WAIT_S)
+
+    def __enter__(self) -> "FakeSideChannel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def dead_port() -> int:

@@ -5,61 +5,21 @@ it may have started pulling, releases nothing from the proxy)."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
-from tests.kv_transfer.proxy_fakes import COMPLETION, dead_port, dead_url, metric_values
-from widellm.kv_transfer.proxy_release import ReleaseTarget, release_target
-from widellm.kv_transfer.wire import Receiver, send_message
-
-WAIT_S = 10.0
-POLL_S = 0.01
-ENGINE = "prefill-engine-0"
-
-
-class FakeSideChannel:
-    """A producer's side channel on a free port: records each message, answers ok."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.messages: list[dict] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:  # closed: the test is over
-                return
-            with conn:
-                self.messages.append(Receiver(conn, time.monotonic() + WAIT_S).message())
-                send_message(conn, {"ok": True})
-
-    def wait_for(self, count: int) -> list[dict]:
-        deadline = time.monotonic() + WAIT_S
-        while len(self.messages) < count and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        return self.messages
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not)
-        self.sock.close()
-        self.thread.join(WAIT_S)
+from tests.kv_transfer.proxy_fakes import (
+    COMPLETION, ENGINE, POLL_S, WAIT_S, FakeSideChannel, dead_port, dead_url, metric_values,
+)
+from widellm.kv_transfer.prefill_release import ReleaseTarget, release_target
 
 
 @pytest.fixture
 def side_channel():
-    channel = FakeSideChannel()
-    try:
+    with FakeSideChannel() as channel:
         yield channel
-    finally:
-        channel.close()
 
 
 def _params(port: int, rid: str) -> dict:

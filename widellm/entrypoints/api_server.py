@@ -49,6 +49,7 @@ from widellm.entrypoints.protocol import (
     CompletionRequest, DetokenizeRequest, ModelCard, ModelList, VersionResponse,
 )
 from widellm.entrypoints.protocol_chat import ChatCompletionRequest, TokenizeRequest
+from widellm.entrypoints.refused_prefills import RefusedPrefills
 from widellm.entrypoints.server_args import check_server_args
 from widellm.entrypoints.serving_base import tokenizer_executor
 from widellm.entrypoints.serving_chat import OpenAIServingChat
@@ -89,7 +90,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError("; ".join(parts) or "invalid request", HTTPStatus.BAD_REQUEST, param)
 
 
-def add_exception_handlers(app: FastAPI) -> None:
+def add_exception_handlers(app: FastAPI, refused: RefusedPrefills | None = None) -> None:
+    """Every failure as an OpenAI-style error; a body that fails validation and names a
+    remote prefill has that prefill released (``refused``)."""
     async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
         err = to_api_error(exc)
         if err.status >= HTTPStatus.INTERNAL_SERVER_ERROR:
@@ -97,6 +100,8 @@ def add_exception_handlers(app: FastAPI) -> None:
         return err.to_response()
 
     async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        if refused is not None:
+            refused.refused_body(exc.body)
         return _validation_error(exc).to_response()
 
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -173,6 +178,7 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     # answer (a per-request time would differ between two listings a second apart).
     created = int(time.time())
     pool = tokenizer_executor()
+    refused = RefusedPrefills(engine.config.kv_transfer_config, engine.metrics.registry)
     options = dict(executor=pool, **serving_options(engine, args))
     completion = OpenAIServingCompletion(engine, served, args.max_n, **options)
     chat = OpenAIServingChat(engine, served, args.max_n, **options,
@@ -186,13 +192,14 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
             yield
         finally:  # a tokenization still running ends on its own; queued ones never start
             pool.shutdown(wait=False, cancel_futures=True)
+            await refused.close()
 
     # With an API key the schema and its UIs are served by the guarded router below, so they
     # describe the API only to those who may call it.
     own_docs = not args.api_key and not args.disable_fastapi_docs
     docs_urls = {} if own_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="widellm", version=widellm.__version__, lifespan=lifespan, **docs_urls)
-    add_exception_handlers(app)
+    add_exception_handlers(app, refused)
     if args.root_path:
         app.add_middleware(RootPathMiddleware, root_path=args.root_path)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=args.max_request_body_bytes)
@@ -229,11 +236,13 @@ def build_app(engine: AsyncLLM, args: argparse.Namespace) -> FastAPI:
 
     @api.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return await completion.create_completion(request, raw_request)
+        with refused.on_refusal(request.kv_transfer_params):
+            return await completion.create_completion(request, raw_request)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await chat.create_chat_completion(request, raw_request)
+        with refused.on_refusal(request.kv_transfer_params):
+            return await chat.create_chat_completion(request, raw_request)
 
     @api.get("/kv_transfer/endpoints")
     async def kv_transfer_endpoints() -> Response:

@@ -9,7 +9,7 @@ them, and generates; its answer (streamed or not) goes back to the client as it 
 Prefill is retried on other instances (it has no side effect the client sees); decode only
 when the connection failed before the request was sent or the instance answered 503
 (draining). A prefill whose decode never came (refused with a 4xx or a 503, or no decode
-instance reached) is released (``proxy_release.py``).
+instance reached) is released (``prefill_release.py``).
 
 No module-global state: each ``build_app`` owns its pools, httpx client and registry.
 """
@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from widellm.kv_transfer.proxy_release import PrefillReleases
+from widellm.kv_transfer.prefill_release import PrefillReleases
 from widellm.kv_transfer.proxy_routing import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_MAX_LOAD_IMBALANCE,

@@ -1,15 +1,23 @@
-"""The proxy lets go of a prefill's KV blocks that no decode instance will pull.
+"""Letting go of a prefill's KV blocks that no decode instance will pull.
 
 A prefill instance keeps a finished prompt's blocks under a lease (``lease_s``, 30 s by
 default) for the decode instance to pull; a decode instance that took the request pulls
 them, or releases them if the request ends first. One that never took it does neither: it
 refused the request with a 4xx (the prefill's one-token request cannot show a bad
-``max_tokens`` or ``min_tokens``) or a 503 (draining, and no other decode instance to try),
-or no decode instance could be reached. Then the proxy sends the release itself over the
-prefill instance's side channel (``tcp_control``), as a consumer would, in the background so
-that the client's answer does not wait for it; otherwise the blocks would stay held, out of
-the prefill instance's pool, until the lease runs out. Prefills whose params name no side
-channel (the file connector) are left to their connector.
+``max_tokens`` or ``min_tokens``) or a 503 (draining), or it could not be reached. Two callers
+send the release then, over the prefill instance's side channel (``tcp_control``) as a
+consumer would, in the background so that no client's answer waits for it; otherwise the
+blocks would stay held, out of the prefill instance's pool, until the lease runs out:
+
+- ``widellm proxy``, when no decode instance took the request (a 4xx, a 503 with no other
+  instance left to try, or none reachable);
+- a decode instance's own server, when it refuses a request that names a prefill (a 4xx):
+  so that a router other than widellm's leaks nothing either. It leaves a 503 alone, since a
+  router moves that request, with the same params, to another decode instance.
+
+A release of blocks already released or pulled is a no-op at the producer, so both may send
+one. Prefills whose params name no side channel (the file connector) are left to their
+connector.
 """
 
 from __future__ import annotations
