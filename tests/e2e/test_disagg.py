@@ -195,25 +195,39 @@ def test_openai_client_32_concurrent_and_chat(llama):
     assert kv_usage(prefill) == 0 and kv_usage(decode) == 0
 
 
-@pytest.mark.parametrize("flow", ["sequential", "streamed", "direct"])
-def test_a_request_the_decode_refuses_leaves_no_blocks_held(llama_deployment, flow):
-    """``max_tokens: -1`` passes the prefill (asked for one token) and is refused by the decode
-    instance (400): the prefill's blocks are released at once instead of being left held for
-    the 30 s lease (the poll below gives up at half of it). Through the proxy, by the proxy
+REFUSALS = {  # requests the decode instance refuses (400) that the prefill instance does not
+    "max_tokens": {"max_tokens": -1},
+    # Refused by the engine's KV check, which runs before a stream starts: a 400, not an
+    # error inside a 200 stream that no router would read as a refusal.
+    "stream_n2": {"max_tokens": 4, "stream": True, "n": 2},
+}
+
+
+REFUSAL_CASES = [("sequential", "max_tokens"), ("streamed", "max_tokens"),
+                 ("direct", "max_tokens"), ("direct", "stream_n2")]
+
+
+@pytest.mark.parametrize("flow,refusal", REFUSAL_CASES)
+def test_a_request_the_decode_refuses_leaves_no_blocks_held(llama_deployment, flow, refusal):
+    """A request that passes the prefill (asked for one token, alone) and is refused by the
+    decode instance (400): the prefill's blocks are released at once instead of being left held
+    for the 30 s lease (the poll below gives up at half of it). Through the proxy, by the proxy
     (and the decode instance); called directly, as another router would, by the decode
     instance's server."""
     _, prefill, decode, proxy, streamed = llama_deployment
-    # New to both instances (and to the other flows' runs).
-    prompt = [t + 5 + ("sequential", "streamed", "direct").index(flow) for t in PROMPTS[4]]
+    # New to both instances (and to the other cases' runs).
+    prompt = [t + 5 + REFUSAL_CASES.index((flow, refusal)) for t in PROMPTS[4]]
     released_before = metric(metrics(decode), "widellm:refused_prefill_releases_total",
                              outcome="released")
+    body = {"prompt": prompt, **REFUSALS[refusal]}
     if flow == "direct":
         params = disagg_utils.prefill(prefill, prompt)
         wait_for_metric(prefill, "widellm:kv_transfer_blocks_held", lambda v: v > 0)
-        r = disagg_utils.decode(decode, prompt, params, max_tokens=-1)
+        r = httpx.post(decode.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                       json={**body, "kv_transfer_params": params})
     else:
         r = httpx.post((proxy if flow == "sequential" else streamed).url + "/v1/completions",
-                       timeout=REQUEST_TIMEOUT_S, json={"prompt": prompt, "max_tokens": -1})
+                       timeout=REQUEST_TIMEOUT_S, json=body)
         wait_for_metric(proxy if flow == "sequential" else streamed,
                         "widellm:proxy_prefill_releases_total", lambda v: v == 1,
                         outcome="released")

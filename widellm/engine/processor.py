@@ -113,9 +113,11 @@ class InputProcessor:
 
     def validate_params(self, params: SamplingParams,
                         structured_param: str = "structured_outputs") -> None:
-        """What only the model can check: logit_bias ids in the vocabulary, and a structured
+        """What only the model can check: logit_bias ids in the vocabulary, a structured
         output's constraint (parsed, not compiled; ``structured_param`` names the request
-        field that carried it)."""
+        field that carried it), and a KV transfer against this instance's connector (so that a
+        streamed request is refused with its status, before its stream starts)."""
+        self.kv_transfer_params(params, params.n)
         bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:3]} outside the vocabulary "
