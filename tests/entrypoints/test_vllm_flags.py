@@ -257,8 +257,8 @@ def test_config_file_values_yield_to_the_command_line(tmp_path, monkeypatch):
     seen = {}
     real_build = cli.build_parsers
 
-    def recording_parsers():
-        parser, serve = real_build()
+    def recording_parsers(only=None):
+        parser, serve = real_build(only)
         serve.set_defaults(func=lambda args: seen.update(vars(args)))  # instead of serving
         return parser, serve
 

@@ -1,4 +1,10 @@
-"""``widellm`` command line: serve, generate, chat, bench, simulate (also ``python -m widellm``)."""
+"""``widellm`` command line: serve, generate, chat, proxy, bench, simulate (also ``python -m
+widellm``).
+
+Each command's flags are added, and its modules imported, only when that command runs (or its
+help is asked for): ``widellm proxy`` imports no torch and no transformers (a light process in
+front of the engines), and ``widellm --help`` answers at once.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,10 @@ import importlib.metadata
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from widellm.engine.arg_utils import EngineArgs
 from widellm.entrypoints.config_file import apply_config_file
-from widellm.entrypoints.server_args import add_server_cli_args
 
 LOG_LEVEL_ENV = "WIDELLM_LOGGING_LEVEL"
 DISTRIBUTION = "widellm"
@@ -45,6 +51,7 @@ def _sampling_params(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from widellm import LLM
+    from widellm.engine.arg_utils import EngineArgs
 
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     for out in llm.generate(args.prompt, _sampling_params(args), use_tqdm=False):
@@ -52,6 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    from widellm.engine.arg_utils import EngineArgs
     from widellm.entrypoints.chat import run_chat
 
     run_chat(EngineArgs.from_cli_args(args), _sampling_params(args), args.message)
@@ -59,6 +67,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     if args.headless:
+        from widellm.engine.arg_utils import EngineArgs
         from widellm.engine.headless import run_headless
 
         run_headless(EngineArgs.from_cli_args(args))
@@ -92,60 +101,99 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     run(args)
 
 
+def add_serve_args(serve: argparse.ArgumentParser) -> None:
+    from widellm.engine.arg_utils import EngineArgs
+    from widellm.entrypoints.server_args import add_server_cli_args
+
+    EngineArgs.add_cli_args(serve, positional_model=True)
+    add_server_cli_args(serve)
+
+
+def _add_offline_args(with_prompt: Callable[[argparse.ArgumentParser], None]):
+    def add(parser: argparse.ArgumentParser) -> None:
+        from widellm.engine.arg_utils import EngineArgs
+
+        with_prompt(parser)
+        _sampling_args(parser)
+        EngineArgs.add_cli_args(parser)
+
+    return add
+
+
+def add_proxy_args(proxy: argparse.ArgumentParser) -> None:
+    from widellm.kv_transfer.proxy_routing import add_proxy_cli_args
+
+    add_proxy_cli_args(proxy)
+
+
+def add_bench_args(bench: argparse.ArgumentParser) -> None:
+    from widellm.bench.serve_args import add_cli_args as add_serve_args
+    from widellm.bench.throughput import add_cli_args
+
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
+    add_cli_args(tp)
+    tp.set_defaults(func=cmd_bench_throughput)
+    sv = bench_sub.add_parser("serve", help="load an OpenAI-compatible server over HTTP")
+    add_serve_args(sv)
+    sv.set_defaults(func=cmd_bench_serve)
+
+
+def add_simulate_args(sim: argparse.ArgumentParser) -> None:
+    from widellm.sim.cli import add_cli_args
+
+    add_cli_args(sim)
+    # The parser rides along so main() can fill it from simulate's own --config file.
+    sim.set_defaults(func=cmd_simulate, sim_parser=sim)
+
+
+class Command(NamedTuple):
+    name: str
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]  # imports what the command needs
+    run: Callable[[argparse.Namespace], None] | None  # None: set by its subcommands
+
+
+COMMANDS = (
+    Command("serve", "OpenAI-compatible HTTP server", add_serve_args, cmd_serve),
+    Command("generate", "complete one or more prompts",
+            _add_offline_args(lambda p: p.add_argument("prompt", nargs="+")), cmd_generate),
+    Command("chat", "chat in the terminal (one turn if MESSAGE is given)",
+            _add_offline_args(lambda p: p.add_argument("message", nargs="?", default=None)),
+            cmd_chat),
+    Command("proxy", "OpenAI-compatible front over disaggregated prefill and decode instances",
+            add_proxy_args, cmd_proxy),
+    Command("bench", "benchmarks", add_bench_args, None),
+    Command("simulate", "simulate a wide-EP deployment in virtual time", add_simulate_args,
+            None),
+)
+
+
+def command_of(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names (the top level takes no option with a value, so it is the
+    first word that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     return build_parsers()[0]
 
 
-def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The ``widellm`` parser and its ``serve`` subparser (which --config fills)."""
+def build_parsers(only: str | None = None
+                  ) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``widellm`` parser and its ``serve`` subparser (which --config fills). Every
+    command's flags, or with ``only`` just that command's (the others are listed, empty)."""
     parser = argparse.ArgumentParser(prog="widellm")
     parser.add_argument("-v", "--version", action="version", version=package_version())
     sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    EngineArgs.add_cli_args(serve, positional_model=True)
-    add_server_cli_args(serve)
-    serve.set_defaults(func=cmd_serve)
-
-    gen = sub.add_parser("generate", help="complete one or more prompts")
-    gen.add_argument("prompt", nargs="+")
-    _sampling_args(gen)
-    EngineArgs.add_cli_args(gen)
-    gen.set_defaults(func=cmd_generate)
-
-    chat = sub.add_parser("chat", help="chat in the terminal (one turn if MESSAGE is given)")
-    chat.add_argument("message", nargs="?", default=None)
-    _sampling_args(chat)
-    EngineArgs.add_cli_args(chat)
-    chat.set_defaults(func=cmd_chat)
-
-    proxy = sub.add_parser("proxy", help="OpenAI-compatible front over disaggregated prefill "
-                                         "and decode instances")
-    from widellm.kv_transfer.proxy_routing import add_proxy_cli_args
-
-    add_proxy_cli_args(proxy)
-    proxy.set_defaults(func=cmd_proxy)
-
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline throughput on random prompts")
-    from widellm.bench.throughput import add_cli_args
-
-    add_cli_args(tp)
-    tp.set_defaults(func=cmd_bench_throughput)
-    sv = bench_sub.add_parser("serve", help="load an OpenAI-compatible server over HTTP")
-    from widellm.bench.serve_args import add_cli_args as add_serve_args
-
-    add_serve_args(sv)
-    sv.set_defaults(func=cmd_bench_serve)
-
-    sim = sub.add_parser("simulate", help="simulate a wide-EP deployment in virtual time")
-    from widellm.sim.cli import add_cli_args as add_simulate_args
-
-    add_simulate_args(sim)
-    # The parser rides along so main() can fill it from simulate's own --config file.
-    sim.set_defaults(func=cmd_simulate, sim_parser=sim)
-    return parser, serve
+    built = {}
+    for command in COMMANDS:
+        built[command.name] = sub.add_parser(command.name, help=command.help)
+        if only is None or only == command.name:
+            command.add_args(built[command.name])
+        if command.run is not None:
+            built[command.name].set_defaults(func=command.run)
+    return parser, built["serve"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get(LOG_LEVEL_ENV, "INFO"),
         format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S",
     )
-    parser, serve = build_parsers()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, serve = build_parsers(command_of(argv) or "")
     args = parser.parse_args(argv)
     if getattr(args, "config", None):
         # The file's values become serve's defaults; parsing again lets the command line win.
