@@ -92,8 +92,10 @@ def _engine_steps(llm: Any) -> int:
     return max((s.num_steps for s in engine.client.last_stats.values()), default=0)
 
 
-def _timed_generate(llm: Any, num_prompts: int, input_len: int, output_len: int,
-                    seed: int) -> RunNumbers:
+def timed_generate(llm: Any, num_prompts: int, input_len: int, output_len: int,
+                   seed: int) -> RunNumbers:
+    """``num_prompts`` random prompts (drawn from ``seed``) run to ``output_len`` tokens by
+    ``llm``, greedy: output tok/s, mean step time and the engine steps taken."""
     from widellm import SamplingParams
     from widellm.bench.datasets import random_token_prompts
 
@@ -133,9 +135,9 @@ def run_engine(settings: EngineSettings, case: CalibrationCase, probe: bool = Fa
         probe_runs: dict[int, list[RunNumbers]] = {n: [] for n in probe_seqs}
         for _ in range(repeats):  # interleaved: a slow spell hits one run of each, not all
             for n in probe_seqs:
-                probe_runs[n].append(_timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN,
+                probe_runs[n].append(timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN,
                                                      next(seeds)))
-        runs = [_timed_generate(llm, case.num_prompts, case.input_len, case.output_len,
+        runs = [timed_generate(llm, case.num_prompts, case.input_len, case.output_len,
                                 next(seeds)) for _ in range(repeats)]
         return _fastest(runs), [_fastest(probe_runs[n]) for n in probe_seqs]
     finally:

@@ -1,0 +1,68 @@
+"""How the calibration's host time grows with the batch (issue 26): the real engine's mean step
+minus the bare simulated one (the CPU profile measured here, no host time), for decode probes
+of 1 to 32 sequences on one rank, each the fastest of ``--repeats`` interleaved runs; then what
+the calibration's line through the 1- and ``PROBE_SEQS``-sequence residuals predicts at the
+largest size, against the residual measured there.
+
+    .venv/bin/python benchmarks/sim_probe_sizes.py [--sizes 1,4,8,16,32] [--repeats 3]
+
+Run it on an otherwise idle machine (the profile's timings and the engine runs share it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+
+from widellm.sim.calibration import (
+    PROBE_INPUT_LEN, PROBE_OUTPUT_LEN, PROBE_SEQS, CalibrationCase, EngineSettings,
+    simulate_case, timed_generate,
+)
+from widellm.sim.profiles.measure_cpu import measure_cpu_profile
+
+
+def main() -> None:
+    from widellm import LLM
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="preset:deepseek-v3-small")
+    parser.add_argument("--sizes", default="1,4,8,16,32")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    sizes = sorted({int(s) for s in args.sizes.split(",")} | {1, PROBE_SEQS})
+    largest = sizes[-1]
+    # The benchmark's engine limits (benchmarks/sim_calibration.py, 32 x 64 in): the same steps.
+    settings = EngineSettings(args.model, num_kv_blocks=1024, max_num_seqs=largest,
+                              max_num_batched_tokens=largest * 64)
+    bare = dataclasses.replace(measure_cpu_profile(quick=False), step_overhead_s=0.0,
+                               step_overhead_per_seq_s=0.0)
+    llm = LLM(settings.model, dtype=settings.dtype, block_size=settings.block_size,
+              num_kv_blocks=settings.num_kv_blocks, max_num_seqs=settings.max_num_seqs,
+              max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed)
+    seeds = itertools.count(settings.seed)  # fresh prompts every run: no prefix-cache hits
+    steps: dict[int, list[float]] = {n: [] for n in sizes}
+    try:
+        for _ in range(args.repeats):  # interleaved: a slow spell hits one run of each
+            for n in sizes:
+                steps[n].append(timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN,
+                                                next(seeds)).mean_step_s)
+    finally:
+        llm.shutdown()
+    print("| sequences | bare simulated step ms | real step ms (runs) | residual ms (fastest) |")
+    print("|---:|---:|---|---:|")
+    residual = {}
+    for n in sizes:
+        case = CalibrationCase("probe", 1, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
+        sim = simulate_case(settings, bare, case).mean_step_s
+        residual[n] = min(steps[n]) - sim
+        runs = ", ".join(f"{s * 1e3:.1f}" for s in steps[n])
+        print(f"| {n} | {sim * 1e3:.1f} | {runs} | {residual[n] * 1e3:.1f} |")
+    per_seq = (residual[PROBE_SEQS] - residual[1]) / (PROBE_SEQS - 1)
+    predicted = residual[1] + per_seq * (largest - 1)
+    print(f"line through 1 and {PROBE_SEQS}: {per_seq * 1e3:.2f} ms per sequence; at {largest}: "
+          f"{predicted * 1e3:.1f} ms predicted, {residual[largest] * 1e3:.1f} ms measured")
+
+
+if __name__ == "__main__":
+    main()
