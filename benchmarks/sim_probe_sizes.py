@@ -46,7 +46,7 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved: a slow spell hits one run of each
             for n in sizes:
                 steps[n].append(timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN,
-                                                next(seeds)).mean_step_s)
+                                               next(seeds)).mean_step_s)
     finally:
         llm.shutdown()
     print("| sequences | bare simulated step ms | real step ms (runs) | residual ms (fastest) |")

@@ -136,9 +136,9 @@ def run_engine(settings: EngineSettings, case: CalibrationCase, probe: bool = Fa
         for _ in range(repeats):  # interleaved: a slow spell hits one run of each, not all
             for n in probe_seqs:
                 probe_runs[n].append(timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN,
-                                                     next(seeds)))
+                                                    next(seeds)))
         runs = [timed_generate(llm, case.num_prompts, case.input_len, case.output_len,
-                                next(seeds)) for _ in range(repeats)]
+                               next(seeds)) for _ in range(repeats)]
         return _fastest(runs), [_fastest(probe_runs[n]) for n in probe_seqs]
     finally:
         llm.shutdown()
