@@ -107,5 +107,6 @@ def main() -> None:
                 _signal_group(p, signal.SIGKILL)
                 p.wait()
 
+
 if __name__ == "__main__":
     main()

@@ -12,19 +12,16 @@ Run it on an otherwise idle machine (the profile's timings and the engine runs s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 
 from widellm.sim.calibration import (
     PROBE_INPUT_LEN, PROBE_OUTPUT_LEN, PROBE_SEQS, CalibrationCase, EngineSettings,
-    simulate_case, timed_generate,
+    make_llm, simulate_case, timed_generate, without_host_time,
 )
 from widellm.sim.profiles.measure_cpu import measure_cpu_profile
 
 
 def main() -> None:
-    from widellm import LLM
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="preset:deepseek-v3-small")
     parser.add_argument("--sizes", default="1,4,8,16,32")
@@ -35,11 +32,8 @@ def main() -> None:
     # The benchmark's engine limits (benchmarks/sim_calibration.py, 32 x 64 in): the same steps.
     settings = EngineSettings(args.model, num_kv_blocks=1024, max_num_seqs=largest,
                               max_num_batched_tokens=largest * 64)
-    bare = dataclasses.replace(measure_cpu_profile(quick=False), step_overhead_s=0.0,
-                               step_overhead_per_seq_s=0.0)
-    llm = LLM(settings.model, dtype=settings.dtype, block_size=settings.block_size,
-              num_kv_blocks=settings.num_kv_blocks, max_num_seqs=settings.max_num_seqs,
-              max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed)
+    bare = without_host_time(measure_cpu_profile(quick=False))
+    llm = make_llm(settings)
     seeds = itertools.count(settings.seed)  # fresh prompts every run: no prefix-cache hits
     steps: dict[int, list[float]] = {n: [] for n in sizes}
     try:

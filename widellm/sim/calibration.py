@@ -115,18 +115,23 @@ def _fastest(runs: list[RunNumbers]) -> RunNumbers:
     return min(runs, key=lambda r: r.mean_step_s)
 
 
+def make_llm(settings: EngineSettings, data_parallel_size: int = 1,
+             all2all_backend: str = "all2all") -> Any:
+    """The ``LLM`` the calibration times: ``settings``, expert-parallel when DP > 1."""
+    from widellm import LLM
+
+    return LLM(settings.model, dtype=settings.dtype, block_size=settings.block_size,
+               num_kv_blocks=settings.num_kv_blocks, max_num_seqs=settings.max_num_seqs,
+               max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed,
+               data_parallel_size=data_parallel_size,
+               enable_expert_parallel=data_parallel_size > 1, all2all_backend=all2all_backend)
+
+
 def run_engine(settings: EngineSettings, case: CalibrationCase, probe: bool = False,
                repeats: int = 1) -> tuple[RunNumbers, list[RunNumbers]]:
     """(the case, and the probes of one and ``PROBE_SEQS`` sequences before it when
     ``probe``) on the real engine, each the fastest of ``repeats`` runs."""
-    from widellm import LLM
-
-    dp = case.data_parallel_size
-    llm = LLM(settings.model, dtype=settings.dtype, block_size=settings.block_size,
-              num_kv_blocks=settings.num_kv_blocks, max_num_seqs=settings.max_num_seqs,
-              max_num_batched_tokens=settings.max_num_batched_tokens, seed=settings.seed,
-              data_parallel_size=dp, enable_expert_parallel=dp > 1,
-              all2all_backend=case.all2all_backend)
+    llm = make_llm(settings, case.data_parallel_size, case.all2all_backend)
     # Every run draws its prompts from its own seed: no prefix of an earlier run's prompts may
     # be in the prefix cache (the simulated runs start cold).
     seeds = itertools.count(settings.seed)
@@ -179,12 +184,17 @@ def simulate_case(settings: EngineSettings, profile: HardwareProfile,
                       steps)
 
 
+def without_host_time(profile: HardwareProfile) -> HardwareProfile:
+    """``profile`` with no host time per step: what the kernels alone would take."""
+    return dataclasses.replace(profile, step_overhead_s=0.0, step_overhead_per_seq_s=0.0)
+
+
 def fit_host_overhead(settings: EngineSettings, profile: HardwareProfile,
                       probes: list[RunNumbers]) -> HardwareProfile:
     """``profile`` with ``step_overhead_s`` and ``step_overhead_per_seq_s`` set so that the
     simulated probes' mean steps equal the real ones (the line through the two residuals,
     neither part below zero)."""
-    bare = dataclasses.replace(profile, step_overhead_s=0.0, step_overhead_per_seq_s=0.0)
+    bare = without_host_time(profile)
     residuals = []
     for seqs, real in zip((1, PROBE_SEQS), probes):
         case = CalibrationCase("probe", 1, seqs, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
