@@ -1,8 +1,9 @@
 """How the calibration's host time grows with the batch (issue 26): the real engine's mean step
 minus the bare simulated one (the CPU profile measured here, no host time), for decode probes
 of 1 to 32 sequences on one rank, each the fastest of ``--repeats`` interleaved runs; then what
-the calibration's line through the 1- and ``PROBE_SEQS``-sequence residuals predicts at the
-largest size, against the residual measured there.
+the calibration's line (least squares over the ``PROBE_SIZES`` residuals) and the earlier
+two-point line through 1 and 8 predict at the largest size, against the residual measured
+there.
 
     .venv/bin/python benchmarks/sim_probe_sizes.py [--sizes 1,4,8,16,32] [--repeats 3]
 
@@ -15,8 +16,8 @@ import argparse
 import itertools
 
 from widellm.sim.calibration import (
-    PROBE_INPUT_LEN, PROBE_OUTPUT_LEN, PROBE_SEQS, CalibrationCase, EngineSettings,
-    make_llm, simulate_case, timed_generate, without_host_time,
+    PROBE_INPUT_LEN, PROBE_OUTPUT_LEN, PROBE_SIZES, CalibrationCase, EngineSettings,
+    host_time_line, make_llm, simulate_case, timed_generate, without_host_time,
 )
 from widellm.sim.profiles.measure_cpu import measure_cpu_profile
 
@@ -24,10 +25,10 @@ from widellm.sim.profiles.measure_cpu import measure_cpu_profile
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="preset:deepseek-v3-small")
-    parser.add_argument("--sizes", default="1,4,8,16,32")
+    parser.add_argument("--sizes", default="1,4,8,16,24,32")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    sizes = sorted({int(s) for s in args.sizes.split(",")} | {1, PROBE_SEQS})
+    sizes = sorted({int(s) for s in args.sizes.split(",")} | set(PROBE_SIZES) | {1, 8})
     largest = sizes[-1]
     # The benchmark's engine limits (benchmarks/sim_calibration.py, 32 x 64 in): the same steps.
     settings = EngineSettings(args.model, num_kv_blocks=1024, max_num_seqs=largest,
@@ -52,10 +53,13 @@ def main() -> None:
         residual[n] = min(steps[n]) - sim
         runs = ", ".join(f"{s * 1e3:.1f}" for s in steps[n])
         print(f"| {n} | {sim * 1e3:.1f} | {runs} | {residual[n] * 1e3:.1f} |")
-    per_seq = (residual[PROBE_SEQS] - residual[1]) / (PROBE_SEQS - 1)
-    predicted = residual[1] + per_seq * (largest - 1)
-    print(f"line through 1 and {PROBE_SEQS}: {per_seq * 1e3:.2f} ms per sequence; at {largest}: "
-          f"{predicted * 1e3:.1f} ms predicted, {residual[largest] * 1e3:.1f} ms measured")
+    for name, fit_sizes in (("least squares over " + ",".join(map(str, PROBE_SIZES)),
+                             PROBE_SIZES), ("line through 1 and 8", (1, 8))):
+        per_step, per_seq = host_time_line(list(fit_sizes), [residual[n] for n in fit_sizes])
+        predicted = per_step + per_seq * largest
+        print(f"{name}: {per_step * 1e3:.1f} ms + {per_seq * 1e3:.2f} ms per sequence; at "
+              f"{largest}: {predicted * 1e3:.1f} ms predicted, {residual[largest] * 1e3:.1f} ms "
+              f"measured")
 
 
 if __name__ == "__main__":

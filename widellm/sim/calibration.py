@@ -6,10 +6,13 @@ the mean step time (wall seconds / engine steps).
 The profile comes from micro-benchmarks (``profiles/measure_cpu.py``: matmul peak, copy
 bandwidth, widellm's linear and expert kernels, gloo all-to-all) plus two numbers taken from
 the engine itself: the host time per step and per sequence of a step that no kernel benchmark
-sees (Python around every op, sampling, per-request bookkeeping). They are fitted on two
-*probes* on one rank, one sequence and ``PROBE_SEQS`` sequences decoding, as the real mean step
-time minus the simulated one (a line through the two residuals); the cases compared afterwards
-(more sequences, two expert-parallel ranks) are not used to fit anything.
+sees (Python around every op, sampling, per-request bookkeeping). They are fitted on *probes*
+on one rank, ``PROBE_SIZES`` sequences decoding short prompts, as the real mean step time minus
+the simulated one: the least-squares line through those residuals (each residual is host time
+plus the cost model's own error at that size, which bends where the measured expert curve
+does; a line through two sizes extrapolated one size's bump to every batch, docs/BENCHMARKS.md).
+The cases compared afterwards (other prompt and output lengths, two expert-parallel ranks) are
+not used to fit anything.
 
 Every engine number is the fastest of ``repeats`` runs of the same shape (fresh prompts each
 time, probes interleaved), as the profile's micro-benchmarks are the fastest of many calls:
@@ -25,6 +28,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import statistics
 import tempfile
 import time
 import traceback
@@ -34,8 +38,10 @@ from typing import Any
 from widellm.sim.hardware import HardwareProfile
 
 PROBE_INPUT_LEN = 16
-PROBE_OUTPUT_LEN = 64
-PROBE_SEQS = 8
+PROBE_OUTPUT_LEN = 32
+# Spread up to the batch sizes the calibration's cases decode (16 in the suite, 32 in the
+# benchmark), not at them.
+PROBE_SIZES = (1, 8, 16, 24)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,24 +133,27 @@ def make_llm(settings: EngineSettings, data_parallel_size: int = 1,
                enable_expert_parallel=data_parallel_size > 1, all2all_backend=all2all_backend)
 
 
-def run_engine(settings: EngineSettings, case: CalibrationCase, probe: bool = False,
-               repeats: int = 1) -> tuple[RunNumbers, list[RunNumbers]]:
-    """(the case, and the probes of one and ``PROBE_SEQS`` sequences before it when
-    ``probe``) on the real engine, each the fastest of ``repeats`` runs."""
+def run_engine(settings: EngineSettings, case: CalibrationCase,
+               probe_sizes: tuple[int, ...] = (), repeats: int = 1
+               ) -> tuple[RunNumbers, dict[int, RunNumbers]]:
+    """(the case, and a probe of each of ``probe_sizes`` sequences before it, by size) on the
+    real engine, each the fastest of ``repeats`` runs."""
+    if probe_sizes and max(probe_sizes) > settings.max_num_seqs:
+        raise ValueError(f"a probe of {max(probe_sizes)} sequences needs max_num_seqs >= that "
+                         f"(got {settings.max_num_seqs}): it would decode in two batches")
     llm = make_llm(settings, case.data_parallel_size, case.all2all_backend)
     # Every run draws its prompts from its own seed: no prefix of an earlier run's prompts may
     # be in the prefix cache (the simulated runs start cold).
     seeds = itertools.count(settings.seed)
     try:
-        probe_seqs = (1, PROBE_SEQS) if probe else ()
-        probe_runs: dict[int, list[RunNumbers]] = {n: [] for n in probe_seqs}
+        probe_runs: dict[int, list[RunNumbers]] = {n: [] for n in probe_sizes}
         for _ in range(repeats):  # interleaved: a slow spell hits one run of each, not all
-            for n in probe_seqs:
+            for n in probe_sizes:
                 probe_runs[n].append(timed_generate(llm, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN,
                                                     next(seeds)))
         runs = [timed_generate(llm, case.num_prompts, case.input_len, case.output_len,
                                next(seeds)) for _ in range(repeats)]
-        return _fastest(runs), [_fastest(probe_runs[n]) for n in probe_seqs]
+        return _fastest(runs), {n: _fastest(r) for n, r in probe_runs.items()}
     finally:
         llm.shutdown()
 
@@ -189,41 +198,79 @@ def without_host_time(profile: HardwareProfile) -> HardwareProfile:
     return dataclasses.replace(profile, step_overhead_s=0.0, step_overhead_per_seq_s=0.0)
 
 
+def host_time_line(sizes: list[int], residuals: list[float]) -> tuple[float, float]:
+    """(seconds per step, seconds per sequence): the least-squares line through the
+    ``residuals`` (real minus bare simulated mean step, seconds) at ``sizes`` (sequences per
+    step), neither part below zero (then the best line with that part at zero).
+
+    >>> host_time_line([1, 8, 16, 24], [0.021, 0.042, 0.049, 0.062])  # doctest: +ELLIPSIS
+    (0.0229..., 0.00167...)
+    >>> host_time_line([1, 8], [0.030, 0.020])  # falls with the batch: all per step
+    (0.025, 0.0)
+    """
+    if len(set(sizes)) < 2:
+        raise ValueError(f"a line needs probes of two sizes or more, got {sizes}")
+    per_seq, per_step = statistics.linear_regression(sizes, residuals)
+    if per_seq < 0:
+        return max(0.0, statistics.fmean(residuals)), 0.0
+    if per_step < 0:
+        per_seq = statistics.linear_regression(sizes, residuals, proportional=True).slope
+        return 0.0, max(0.0, per_seq)
+    return per_step, per_seq
+
+
 def fit_host_overhead(settings: EngineSettings, profile: HardwareProfile,
-                      probes: list[RunNumbers]) -> HardwareProfile:
-    """``profile`` with ``step_overhead_s`` and ``step_overhead_per_seq_s`` set so that the
-    simulated probes' mean steps equal the real ones (the line through the two residuals,
-    neither part below zero)."""
+                      probes: dict[int, RunNumbers]) -> HardwareProfile:
+    """``profile`` with ``step_overhead_s`` and ``step_overhead_per_seq_s`` set to the line
+    (``host_time_line``) through the probes' residuals: each probe's real mean step minus the
+    simulated one without host time. ``probes``: the real runs by sequences per step."""
     bare = without_host_time(profile)
+    sizes = sorted(probes)
     residuals = []
-    for seqs, real in zip((1, PROBE_SEQS), probes):
+    for seqs in sizes:
         case = CalibrationCase("probe", 1, seqs, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
-        residuals.append(real.mean_step_s - simulate_case(settings, bare, case).mean_step_s)
-    per_seq = max(0.0, (residuals[1] - residuals[0]) / (PROBE_SEQS - 1))
-    source = (f"{profile.source}; host time per step fitted on 1- and {PROBE_SEQS}-sequence "
-              f"probes of {settings.model} ({settings.dtype}) by widellm.sim.calibration")
-    return dataclasses.replace(profile, step_overhead_s=max(0.0, residuals[0] - per_seq),
+        residuals.append(probes[seqs].mean_step_s - simulate_case(settings, bare, case).mean_step_s)
+    per_step, per_seq = host_time_line(sizes, residuals)
+    source = (f"{profile.source}; host time per step fitted on probes of "
+              f"{', '.join(map(str, sizes))} sequences of {settings.model} ({settings.dtype}) "
+              f"by widellm.sim.calibration")
+    return dataclasses.replace(profile, step_overhead_s=per_step,
                                step_overhead_per_seq_s=per_seq, source=source)
 
 
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """A calibration's result: the fitted profile, a row per case, and the probes (real runs,
+    by sequences per step) the profile's host time was fitted on."""
+
+    profile: HardwareProfile
+    rows: list[CalibrationRow]
+    probes: dict[int, RunNumbers]
+
+
+def simulate_rows(settings: EngineSettings, profile: HardwareProfile,
+                  real: dict[str, RunNumbers], cases: list[CalibrationCase]
+                  ) -> list[CalibrationRow]:
+    """A row per case: its ``real`` run (by case name) against the simulation on ``profile``."""
+    return [CalibrationRow(c, real[c.name], simulate_case(settings, profile, c)) for c in cases]
+
+
 def calibrate(settings: EngineSettings, profile: HardwareProfile, cases: list[CalibrationCase],
-              repeats: int = 2) -> tuple[HardwareProfile, list[CalibrationRow]]:
+              repeats: int = 2, probe_sizes: tuple[int, ...] = PROBE_SIZES) -> Calibration:
     """Run every case on the engine (the probes with the first DP1 case), each the fastest
-    of ``repeats`` runs, fit the host overhead on the probes, then simulate every case.
-    Returns the fitted profile and a row per case."""
+    of ``repeats`` runs, fit the host overhead on the probes, then simulate every case."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     real: dict[str, RunNumbers] = {}
-    probes: list[RunNumbers] = []
+    probes: dict[int, RunNumbers] = {}
     for case in cases:
-        want_probes = not probes and case.data_parallel_size == 1
-        real[case.name], probed = run_engine(settings, case, want_probes, repeats)
+        wanted = probe_sizes if not probes and case.data_parallel_size == 1 else ()
+        real[case.name], probed = run_engine(settings, case, wanted, repeats)
         probes = probes or probed
     if not probes:
         raise ValueError("the cases need one on a single rank (DP1) to carry the probes")
     fitted = fit_host_overhead(settings, profile, probes)
-    return fitted, [CalibrationRow(c, real[c.name], simulate_case(settings, fitted, c))
-                    for c in cases]
+    return Calibration(fitted, simulate_rows(settings, fitted, real, cases), probes)
 
 
 def _calibrate_child(conn: Any, settings: EngineSettings, cases: list[CalibrationCase],
@@ -241,8 +288,7 @@ def _calibrate_child(conn: Any, settings: EngineSettings, cases: list[Calibratio
 
 def calibrate_in_fresh_process(settings: EngineSettings, cases: list[CalibrationCase],
                                quick_profile: bool = True, repeats: int = 2,
-                               timeout_s: float = 600.0
-                               ) -> tuple[HardwareProfile, list[CalibrationRow]]:
+                               timeout_s: float = 600.0) -> Calibration:
     """Measure this machine's profile, then ``calibrate``, in a fresh (spawned) process: a
     one-rank engine runs in its caller's process, so a long-lived caller (a test session: its
     heap, threads left by earlier tests) would slow the real side and not the profile's
