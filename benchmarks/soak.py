@@ -2,8 +2,11 @@
 user would make after a burst of traffic.
 
 The mix: completions (n of 1-3, logprobs, stop strings), streamed completions and chats,
-chats, JSON-schema chats (structured outputs), streams the client drops after a few chunks
-(aborts), and malformed requests (negative max_tokens) that must get a 400. Prompts of 1 to
+chats, JSON-schema chats (structured outputs), chats with tools and a ``required`` or named
+``tool_choice`` (plain or streamed; every call that was not cut by max_tokens must name a tool
+given and carry arguments that parse to the function's required fields), streams the client
+drops after a few chunks (aborts), and malformed requests (negative max_tokens) that must get
+a 400. Prompts of 1 to
 ``--max-words`` words; temperatures 0, 0.7 and 1; seeds or none.
 
 Checks: no request fails with a 5xx or a transport error, every malformed one gets a 400, a
@@ -38,7 +41,12 @@ WORDS = ("the a capital of france is paris river mountain sky blue green code py
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
-KINDS = ("completion", "completion_stream", "chat", "chat_stream", "abort", "json", "malformed")
+TOOLS = [{"type": "function", "function": {
+    "name": name, "description": f"look up the {name.split('_')[1]} of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}} for name in ("get_weather", "get_population")]
+KINDS = ("completion", "completion_stream", "chat", "chat_stream", "abort", "json", "tools",
+         "malformed")
 IDLE_GAUGES = ("widellm:num_requests_running", "widellm:num_requests_waiting",
                "widellm:kv_cache_usage_perc")
 IDLE_WAIT_S = 20.0
@@ -49,7 +57,8 @@ MAX_CHUNKS_BEFORE_ABORT = 5
 
 class Tally:
     def __init__(self) -> None:
-        self.counts = {"ok": 0, "aborted": 0, "rejected_malformed": 0, "too_long": 0}
+        self.counts = {"ok": 0, "aborted": 0, "rejected_malformed": 0, "too_long": 0,
+                       "tool_calls_checked": 0, "tool_calls_cut": 0}
         self.failures: list[str] = []
 
 
@@ -62,6 +71,53 @@ async def _drain(stream) -> int:
     async for _ in stream:
         chunks += 1
     return chunks
+
+
+def _named(tool: dict) -> dict:
+    return {"type": "function", "function": {"name": tool["function"]["name"]}}
+
+
+async def _tool_calls(client: openai.AsyncOpenAI, model: str, r: random.Random, chat: list,
+                      common: dict) -> tuple[list[tuple[str, str]], str]:
+    """A chat with TOOLS and a required or named tool_choice, plain or streamed: its tool
+    calls as (name, arguments) and its finish reason."""
+    choice = r.choice(["required", _named(r.choice(TOOLS))])
+    kwargs = dict(model=model, messages=chat, tools=TOOLS, tool_choice=choice, **common)
+    if r.random() < 0.5:
+        out = await client.chat.completions.create(**kwargs)
+        message = out.choices[0].message
+        return ([(c.function.name, c.function.arguments) for c in message.tool_calls or []],
+                out.choices[0].finish_reason)
+    calls: dict[int, list[str]] = {}  # index -> [name, arguments so far]
+    finish = ""
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for delta_choice in chunk.choices:
+            finish = delta_choice.finish_reason or finish
+            for call in delta_choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, ["", ""])
+                if call.function is not None:
+                    entry[0] += call.function.name or ""
+                    entry[1] += call.function.arguments or ""
+    return [(name, arguments) for name, arguments in calls.values()], finish
+
+
+def _tool_call_error(calls: list[tuple[str, str]], finish: str) -> str | None:
+    """What is wrong with a forced tool call's outcome, or None."""
+    if finish == "length":  # cut by max_tokens: the arguments may be a prefix
+        return None
+    if not calls:
+        return f"no tool call (finish_reason {finish!r})"
+    names = {t["function"]["name"] for t in TOOLS}
+    for name, arguments in calls:
+        if name not in names:
+            return f"a call of {name!r}, not a tool given"
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return f"arguments that are not JSON: {arguments[:80]!r}"
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("city"), str):
+            return f"arguments without the required string 'city': {arguments[:80]!r}"
+    return None
 
 
 async def one(client: openai.AsyncOpenAI, model: str, i: int, args, tally: Tally) -> None:
@@ -93,6 +149,15 @@ async def one(client: openai.AsyncOpenAI, model: str, i: int, args, tally: Tally
                 model=model, messages=chat, **common,
                 response_format={"type": "json_schema",
                                  "json_schema": {"name": "person", "schema": SCHEMA}})
+        elif kind == "tools":
+            # Room for a whole call: a random model fills the argument string at length.
+            calls, finish = await _tool_calls(client, model, r, chat,
+                                              common | {"max_tokens": r.randint(100, 400)})
+            tally.counts["tool_calls_checked" if finish != "length" else "tool_calls_cut"] += 1
+            error = _tool_call_error(calls, finish)
+            if error is not None:
+                tally.failures.append(f"#{i} {kind}: {error}")
+                return
         elif kind == "abort":
             stream = await client.completions.create(model=model, prompt=text, stream=True,
                                                      max_tokens=200)
