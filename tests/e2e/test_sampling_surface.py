@@ -1,7 +1,8 @@
 """The rest of the sampling surface against a live ``widellm serve``, driven by the official
 ``openai`` client: continue_final_message, echo with max_tokens 0, prompt_logprobs, several
 served names, --max-logprobs, generation-config defaults, --chat-template, /tokenizer_info,
-and a 400 for a field that would otherwise be ignored.
+return_token_ids (checked against transformers' own greedy ids), and a 400 for a field that
+would otherwise be ignored.
 
 One server for the module, started with every flag under test: its generation config (a
 folder given to --generation-config) makes greedy decoding of 6 tokens the default."""
@@ -14,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import hf_greedy
 from tests.e2e.server_harness import ServerProcess
 
 MODEL_ARCH = "LlamaForCausalLM"
@@ -125,6 +127,73 @@ def test_prompt_logprobs_on_chat_and_completions(server, client):
     completion = _post(server, "/v1/completions", {
         "model": NAMES[0], "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2})
     assert completion["choices"][0]["prompt_logprobs"] == listed
+
+
+def _stream_ids(stream) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Per choice index: the prompt ids of its first chunk (only that one may carry them, the
+    response-level field in chat), and its generated ids, joined over its chunks."""
+    prompts: dict[int, list[int]] = {}
+    generated: dict[int, list[int]] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            prompt = getattr(choice, "prompt_token_ids", None) or chunk.model_extra.get(
+                "prompt_token_ids")
+            if choice.index in generated:
+                assert prompt is None, "prompt ids on a later chunk"
+            else:
+                prompts[choice.index] = prompt
+            generated.setdefault(choice.index, []).extend(choice.token_ids or [])
+    return prompts, generated
+
+
+def test_return_token_ids_gives_the_prompt_and_the_greedy_ids(server, client, model_dir):
+    """Both endpoints, plain and streamed, n = 2: the prompt's ids as /tokenize has them and
+    each choice's generated ids, equal to transformers' greedy continuation of that prompt."""
+    messages = [{"role": "user", "content": PROMPT}]
+    chat_ids = _post(server, "/tokenize", {"messages": messages})["tokens"]
+    text_ids = _post(server, "/tokenize", {"prompt": PROMPT})["tokens"]
+    want_chat, want_text = hf_greedy(model_dir(MODEL_ARCH), [chat_ids, text_ids], NUM_TOKENS)
+    args = dict(model=NAMES[0], max_tokens=NUM_TOKENS, n=2,
+                extra_body={"return_token_ids": True, **IGNORE_EOS, **GREEDY})
+
+    chat = client.chat.completions.create(messages=messages, **args)
+    assert chat.model_extra["prompt_token_ids"] == chat_ids
+    assert [c.token_ids for c in chat.choices] == [want_chat] * 2
+    completion = client.completions.create(prompt=PROMPT, **args)
+    assert [c.prompt_token_ids for c in completion.choices] == [text_ids] * 2
+    assert [c.token_ids for c in completion.choices] == [want_text] * 2
+
+    prompts, generated = _stream_ids(client.chat.completions.create(
+        messages=messages, stream=True, **args))
+    assert (prompts, generated) == ({0: chat_ids, 1: chat_ids}, {0: want_chat, 1: want_chat})
+    prompts, generated = _stream_ids(client.completions.create(
+        prompt=PROMPT, stream=True, **args))
+    assert (prompts, generated) == ({0: text_ids, 1: text_ids}, {0: want_text, 1: want_text})
+
+
+def test_return_token_ids_with_a_forced_tool_call_streams_every_id(client):
+    """A tool-call stream holds text back while it parses (this random model's call runs to
+    max_tokens); the ids of every chunk still go out: joined, the plain request's ids."""
+    tool = {"type": "function", "function": {
+        "name": "lookup", "parameters": {"type": "object", "properties": {
+            "q": {"type": "string", "maxLength": 3}}, "required": ["q"]}}}
+    args = dict(model=NAMES[0], messages=[{"role": "user", "content": PROMPT}],
+                tools=[tool], tool_choice="required", max_tokens=64,
+                extra_body={"return_token_ids": True, **GREEDY})
+    whole = client.chat.completions.create(**args).choices[0]
+    assert len(whole.token_ids) == 64
+    _, generated = _stream_ids(client.chat.completions.create(stream=True, **args))
+    assert generated == {0: whole.token_ids}
+
+
+def test_without_return_token_ids_no_ids_are_sent(server):
+    chat = _post(server, "/v1/chat/completions", {
+        "model": NAMES[0], "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2})
+    completion = _post(server, "/v1/completions",
+                       {"model": NAMES[0], "prompt": PROMPT, "max_tokens": 2})
+    assert chat.get("prompt_token_ids") is None and chat["choices"][0].get("token_ids") is None
+    choice = completion["choices"][0]
+    assert choice.get("prompt_token_ids") is None and choice.get("token_ids") is None
 
 
 def test_every_served_name_answers_and_the_first_is_listed_first(client):

@@ -136,6 +136,9 @@ class SamplingRequest(RequestModel, StructuredOutputFields):
     # proxy tells a prefill instance ({"do_remote_decode": true}) or hands a decode instance
     # (the prefill's answer).
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's field: the prompt's token ids and each choice's generated ones in the response
+    # (streamed: the prompt's on a choice's first chunk, each chunk's new ids on it).
+    return_token_ids: bool | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -303,6 +306,9 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsResponse | None = None
+    # return_token_ids (vLLM's): the prompt's ids, and the choice's generated ids.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class _CompletionBody(OpenAIBaseModel):

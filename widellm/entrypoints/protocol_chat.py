@@ -176,6 +176,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids (vLLM's): the generated ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -187,6 +188,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
     # vLLM's field: the prompt's logprobs when the request asked for prompt_logprobs.
     prompt_logprobs: PromptLogprobsResponse | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM's)
     # A prefill instance's answer for the decode instance (disaggregated prefill/decode).
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -208,6 +210,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the ids new in this chunk
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -217,3 +220,4 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on each choice's first chunk

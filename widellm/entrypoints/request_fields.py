@@ -137,8 +137,6 @@ _VLLM_SHARED_UNSUPPORTED = {
     "logits_processors": rejected("custom logits processors are not supported"),
     "return_tokens_as_token_ids": rejected("token-id strings in logprobs are not supported",
                                            _absent_or(False)),
-    "return_token_ids": rejected("token ids in the response are not supported",
-                                 _absent_or(False)),
     "spaces_between_special_tokens": rejected(
         "spaces_between_special_tokens=false is not supported", _absent_or(True)),
     "mm_processor_kwargs": rejected("multimodal inputs are not supported"),

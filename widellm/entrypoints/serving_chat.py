@@ -144,10 +144,14 @@ class _ChatRun:
         return UsageInfo(prompt_tokens=len(self.prompt_ids), completion_tokens=completion_tokens,
                          total_tokens=len(self.prompt_ids) + completion_tokens)
 
-    def _chunk(self, choices: list[ChatCompletionStreamChoice],
-               usage: UsageInfo | None = None) -> ChatCompletionStreamResponse:
+    def _chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
+               prompt_token_ids: list[int] | None = None) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(id=self.request_id, created=self.created,
-                                            model=self.model, choices=choices, usage=usage)
+                                            model=self.model, choices=choices, usage=usage,
+                                            prompt_token_ids=prompt_token_ids)
+
+    def _token_ids(self, sample: CompletionOutput) -> list[int] | None:
+        return list(sample.token_ids) if self.request.return_token_ids else None
 
     @staticmethod
     def _deltas(sample: CompletionOutput,
@@ -163,20 +167,24 @@ class _ChatRun:
         return deltas
 
     async def stream(self) -> AsyncIterator[ChatCompletionStreamResponse]:
+        prompt_ids = self.prompt_ids if self.request.return_token_ids else None
         for i in range(self.params.n):
             yield self._chunk([ChatCompletionStreamChoice(
-                index=i, delta=DeltaMessage(role=ASSISTANT_ROLE, content=""))])
+                index=i, delta=DeltaMessage(role=ASSISTANT_ROLE, content=""))],
+                prompt_token_ids=prompt_ids)
         tool_streams = ([self.tools.stream() for _ in range(self.params.n)]
                         if self.tools else None)
         async with aclosing(self._samples()) as samples:
             async for sample in samples:
                 logprobs = self._logprobs(sample)
+                token_ids = self._token_ids(sample)
                 deltas = self._deltas(sample, tool_streams)
-                if not deltas and logprobs is not None and logprobs.content:
-                    deltas = [DeltaMessage(content="")]  # the logprobs still go out
-                for k, delta in enumerate(deltas):  # logprobs ride on the first
+                if not deltas and ((logprobs is not None and logprobs.content) or token_ids):
+                    deltas = [DeltaMessage(content="")]  # the logprobs and ids still go out
+                for k, delta in enumerate(deltas):  # logprobs and ids ride on the first
                     yield self._chunk([ChatCompletionStreamChoice(
-                        index=sample.index, delta=delta, logprobs=None if k else logprobs)])
+                        index=sample.index, delta=delta, logprobs=None if k else logprobs,
+                        token_ids=None if k else token_ids)])
                 if sample.finish_reason is not None:
                     made_calls = bool(tool_streams) and tool_streams[sample.index].made_calls
                     yield self._chunk([ChatCompletionStreamChoice(
@@ -188,11 +196,14 @@ class _ChatRun:
 
     async def collect(self) -> ChatCompletionResponse:
         texts: list[list[str]] = [[] for _ in range(self.params.n)]
+        token_ids = [self._token_ids(CompletionOutput(i, "", [])) for i in range(self.params.n)]
         logprobs = [self._logprobs(CompletionOutput(i, "", [])) for i in range(self.params.n)]
         reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * self.params.n
         async with aclosing(self._samples()) as samples:
             async for sample in samples:
                 texts[sample.index].append(sample.text)
+                if token_ids[sample.index] is not None:
+                    token_ids[sample.index].extend(sample.token_ids)
                 new = self._logprobs(sample)
                 if new is not None:
                     logprobs[sample.index].content.extend(new.content)
@@ -203,10 +214,12 @@ class _ChatRun:
             ChatCompletionResponseChoice(
                 index=i, message=messages[i], logprobs=logprobs[i],
                 finish_reason=tool_finish_reason(reasons[i][0], bool(messages[i].tool_calls)),
-                stop_reason=reasons[i][1])
+                stop_reason=reasons[i][1], token_ids=token_ids[i])
             for i in range(self.params.n)
         ]
         return ChatCompletionResponse(id=self.request_id, created=self.created,
                                       model=self.model, choices=choices, usage=self.usage(),
                                       prompt_logprobs=self.prompt_logprobs,
+                                      prompt_token_ids=(self.prompt_ids if
+                                                        self.request.return_token_ids else None),
                                       kv_transfer_params=self.kv_transfer_params)

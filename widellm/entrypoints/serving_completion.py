@@ -143,8 +143,12 @@ class _CompletionRun:
         want_logprobs = self.request.logprobs is not None
         if want_logprobs:
             logprobs = CompletionLogProbs()
+        token_ids = list(sample.token_ids) if self.request.return_token_ids else None
+        prompt_token_ids = None
         if not state.started:
             state.started = True
+            if self.request.return_token_ids:
+                prompt_token_ids = list(output.prompt_token_ids)
             if self.request.prompt_logprobs is not None:  # complete once a sample has output
                 prompt_logprobs = prompt_logprobs_response(
                     output.prompt_token_ids, output.prompt_logprobs or [],
@@ -166,12 +170,16 @@ class _CompletionRun:
                 getattr(logprobs, name).extend(getattr(new, name))
             state.text_offset += sum(len(t) for t in new.tokens)
         state.finished = sample.finish_reason is not None
-        if not text and not state.finished and not (logprobs and logprobs.tokens):
+        # Text can lag its tokens (a stop string's prefix, a character's first bytes); a delta
+        # with no text still carries the choice's first-chunk fields and its new ids.
+        if not (text or state.finished or (logprobs and logprobs.tokens) or token_ids
+                or prompt_token_ids is not None or prompt_logprobs is not None):
             return None
         return CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
                                         finish_reason=sample.finish_reason,
                                         stop_reason=sample.stop_reason,
-                                        prompt_logprobs=prompt_logprobs)
+                                        prompt_logprobs=prompt_logprobs,
+                                        prompt_token_ids=prompt_token_ids, token_ids=token_ids)
 
     def usage(self) -> UsageInfo:
         prompt_tokens = sum(len(ids) for _, ids in self.prompts)
@@ -198,6 +206,8 @@ class _CompletionRun:
                     continue
                 whole.text += delta.text
                 whole.finish_reason, whole.stop_reason = delta.finish_reason, delta.stop_reason
+                if whole.token_ids is not None and delta.token_ids is not None:
+                    whole.token_ids.extend(delta.token_ids)
                 if whole.logprobs is not None and delta.logprobs is not None:
                     for name in CompletionLogProbs.model_fields:
                         getattr(whole.logprobs, name).extend(getattr(delta.logprobs, name))
