@@ -196,6 +196,18 @@ def test_without_return_token_ids_no_ids_are_sent(server):
     assert choice.get("prompt_token_ids") is None and choice.get("token_ids") is None
 
 
+def test_prompt_logprobs_survive_a_first_output_held_back_by_a_stop_string(server):
+    """A long stop string holds the first tokens' text back (it might be the stop string's
+    start), so the choice's first delta has no text: it still carries the prompt's logprobs
+    and ids."""
+    body = {"model": NAMES[0], "prompt": PROMPT, "max_tokens": 3, "prompt_logprobs": 1,
+            "return_token_ids": True, "stop": ["x" * 200], **IGNORE_EOS}
+    choice = _post(server, "/v1/completions", body)["choices"][0]
+    ids = _post(server, "/tokenize", {"prompt": PROMPT})["tokens"]
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 3
+    assert len(choice["prompt_logprobs"]) == len(ids) and choice["prompt_logprobs"][0] is None
+
+
 def test_every_served_name_answers_and_the_first_is_listed_first(client):
     assert [m.id for m in client.models.list().data] == NAMES
     for name in NAMES:
