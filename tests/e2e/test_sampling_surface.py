@@ -186,6 +186,37 @@ def test_return_token_ids_with_a_forced_tool_call_streams_every_id(client):
     assert generated == {0: whole.token_ids}
 
 
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client):
+    """Every logprobs token (chosen and top-N) named "token_id:{id}", the chosen ones the
+    choice's own ids; text offsets and bytes stay those of the text (the same request
+    without the field: same greedy tokens)."""
+    ids = {"return_token_ids": True, **IGNORE_EOS, **GREEDY}
+    args = dict(model=NAMES[0], max_tokens=NUM_TOKENS)
+    named = client.completions.create(prompt=PROMPT, logprobs=2, **args, extra_body={
+        **ids, "return_tokens_as_token_ids": True}).choices[0]
+    plain = client.completions.create(prompt=PROMPT, logprobs=2, **args,
+                                      extra_body=ids).choices[0]
+    assert named.token_ids == plain.token_ids and named.text == plain.text
+    assert named.logprobs.tokens == [f"token_id:{t}" for t in named.token_ids]
+    assert named.logprobs.text_offset == plain.logprobs.text_offset
+    assert named.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    for top in named.logprobs.top_logprobs:
+        assert len(top) == 2 and all(k.startswith("token_id:") for k in top)
+    messages = [{"role": "user", "content": PROMPT}]
+    named = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2,
+                                           **args, extra_body={
+                                               **ids, "return_tokens_as_token_ids": True})
+    plain = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2,
+                                           **args, extra_body=ids)
+    named, plain = named.choices[0], plain.choices[0]
+    assert [e.token for e in named.logprobs.content] == [
+        f"token_id:{t}" for t in named.token_ids]
+    assert [e.bytes for e in named.logprobs.content] == [
+        e.bytes for e in plain.logprobs.content]
+    for entry in named.logprobs.content:
+        assert [t.token.startswith("token_id:") for t in entry.top_logprobs] == [True, True]
+
+
 def test_without_return_token_ids_no_ids_are_sent(server):
     chat = _post(server, "/v1/chat/completions", {
         "model": NAMES[0], "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2})

@@ -44,7 +44,6 @@ ASKING = {
     "allowed_token_ids": [1, 2],
     "bad_words": ["x"],
     "logits_processors": ["pkg.Proc"],
-    "return_tokens_as_token_ids": True,
     "spaces_between_special_tokens": False,
     "mm_processor_kwargs": {"x": 1},
     "vllm_xargs": {"k": 1},

@@ -339,3 +339,22 @@ def test_docs_flags_on_the_app(argv, status, servers):
         assert asyncio.run(get(path)).status_code == status, path
     if status == 200:
         assert asyncio.run(get("/openapi.json")).json().get("servers") == servers
+
+
+# ---- --return-tokens-as-token-ids --------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, request_asks, expected", [
+    ([], None, False), ([], True, True),
+    (["--return-tokens-as-token-ids"], None, True),
+    (["--return-tokens-as-token-ids"], False, True),  # the flag names tokens in every answer
+])
+def test_return_tokens_as_token_ids_flag_or_request(argv, request_asks, expected):
+    from widellm.entrypoints.api_server import serving_options
+    from widellm.entrypoints.protocol import CompletionRequest
+    from widellm.entrypoints.serving_base import OpenAIServing
+
+    engine = MagicMock()
+    options = serving_options(engine, serve_args("--generation-config", "vllm", *argv))
+    serving = OpenAIServing(engine, ["m"], 1, executor=MagicMock(), **options)
+    request = CompletionRequest(prompt="x", return_tokens_as_token_ids=request_asks)
+    assert serving.tokens_as_ids(request) is expected

@@ -166,6 +166,7 @@ def serving_options(engine: AsyncLLM, args: argparse.Namespace) -> dict:
                     "win; --generation-config vllm ignores them): %s", defaults)
     return dict(trust_request_chat_template=args.trust_request_chat_template,
                 max_logprobs=args.max_logprobs, default_sampling_params=defaults,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 chat_template=load_chat_template(args.chat_template))
 
 

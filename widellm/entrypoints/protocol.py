@@ -139,6 +139,10 @@ class SamplingRequest(RequestModel, StructuredOutputFields):
     # vLLM's field: the prompt's token ids and each choice's generated ones in the response
     # (streamed: the prompt's on a choice's first chunk, each chunk's new ids on it).
     return_token_ids: bool | None = None
+    # vLLM's field (and --return-tokens-as-token-ids): logprobs name each token
+    # "token_id:{id}", for tokens whose text does not identify them (byte pieces, merges that
+    # decode alike).
+    return_tokens_as_token_ids: bool | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -288,6 +292,11 @@ def prompt_logprobs_response(token_ids: list[int], logprobs: PromptLogprobs,
             for tid, lp in position.items()
             if tid == token_id or (lp.rank is not None and lp.rank <= num_top)})
     return result
+
+
+def token_id_label(token_id: int) -> str:
+    """vLLM's name of a token in logprobs under return_tokens_as_token_ids."""
+    return f"token_id:{token_id}"
 
 
 class CompletionLogProbs(OpenAIBaseModel):

@@ -135,8 +135,6 @@ _VLLM_SHARED_UNSUPPORTED = {
     "allowed_token_ids": rejected("allowed_token_ids is not supported; use logit_bias"),
     "bad_words": rejected("bad_words is not supported; use logit_bias", _absent_or([])),
     "logits_processors": rejected("custom logits processors are not supported"),
-    "return_tokens_as_token_ids": rejected("token-id strings in logprobs are not supported",
-                                           _absent_or(False)),
     "spaces_between_special_tokens": rejected(
         "spaces_between_special_tokens=false is not supported", _absent_or(True)),
     "mm_processor_kwargs": rejected("multimodal inputs are not supported"),

@@ -90,6 +90,9 @@ def add_server_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="the most top-N logprobs a request may ask for (logprobs, "
                              "top_logprobs, prompt_logprobs); more is a 400 "
                              "(default %(default)s)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help='name every token in logprobs "token_id:{id}" instead of its '
+                             "text, as if each request sent return_tokens_as_token_ids")
     parser.add_argument("--generation-config", type=str, default=GENERATION_CONFIG_AUTO,
                         help=f"sampling defaults for fields a request leaves unset: "
                              f"{GENERATION_CONFIG_AUTO} (the model folder's "

@@ -54,7 +54,8 @@ class OpenAIServing:
                  executor: Executor, trust_request_chat_template: bool = False,
                  max_logprobs: int = MAX_LOGPROBS,
                  default_sampling_params: Mapping[str, Any] | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None,
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_n = max_n
@@ -66,6 +67,11 @@ class OpenAIServing:
         # The model's generation-config defaults for fields a request leaves unset.
         self.default_sampling_params = dict(default_sampling_params or {})
         self.chat_template = chat_template  # --chat-template: instead of the model's
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # the flag: every request
+
+    def tokens_as_ids(self, request: Any) -> bool:
+        """Whether ``request``'s logprobs name tokens "token_id:{id}" (it or the server asks)."""
+        return bool(self.return_tokens_as_token_ids or request.return_tokens_as_token_ids)
 
     async def run_blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the executor, off the event loop; its exceptions propagate."""

@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from widellm.entrypoints.errors import APIError
 from widellm.entrypoints.protocol import (
-    PromptLogprobsResponse, UsageInfo, prompt_logprobs_response,
+    PromptLogprobsResponse, UsageInfo, prompt_logprobs_response, token_id_label,
 )
 from widellm.entrypoints.protocol_chat import (
     ASSISTANT_ROLE,
@@ -76,21 +76,26 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(response.model_dump())
 
 
-def _logprob_entry(lp: Logprob) -> ChatLogProb:
-    token = lp.decoded_token or ""
-    return ChatLogProb(token=token, logprob=lp.logprob, bytes=list(token.encode("utf-8")))
+def _logprob_entry(token_id: int, lp: Logprob, as_ids: bool) -> ChatLogProb:
+    text = lp.decoded_token or ""
+    # ``bytes`` stay the text's: what the token writes, whatever names it.
+    return ChatLogProb(token=token_id_label(token_id) if as_ids else text, logprob=lp.logprob,
+                       bytes=list(text.encode("utf-8")))
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                  num_top: int) -> ChatCompletionLogProbs:
-    """Per generated token: its logprob and the ``num_top`` most likely alternatives."""
+                  num_top: int, as_ids: bool = False) -> ChatCompletionLogProbs:
+    """Per generated token: its logprob and the ``num_top`` most likely alternatives, each
+    named by its text or (``as_ids``) ``token_id:{id}``."""
     content = []
     for token_id, position in zip(token_ids, logprobs):
-        ranked = sorted((lp for lp in position.values()
-                         if lp.rank is not None and lp.rank <= num_top), key=lambda lp: lp.rank)
-        entry = _logprob_entry(position[token_id])
+        ranked = sorted(((tid, lp) for tid, lp in position.items()
+                         if lp.rank is not None and lp.rank <= num_top),
+                        key=lambda item: item[1].rank)
+        entry = _logprob_entry(token_id, position[token_id], as_ids)
         content.append(ChatLogProbsContent(
-            **entry.model_dump(), top_logprobs=[_logprob_entry(lp) for lp in ranked]))
+            **entry.model_dump(),
+            top_logprobs=[_logprob_entry(tid, lp, as_ids) for tid, lp in ranked]))
     return ChatCompletionLogProbs(content=content)
 
 
@@ -137,7 +142,8 @@ class _ChatRun:
         if not self.request.logprobs:
             return None
         return chat_logprobs(sample.token_ids, sample.logprobs or [],
-                             self.request.top_logprobs or 0)
+                             self.request.top_logprobs or 0,
+                             self.serving.tokens_as_ids(self.request))
 
     def usage(self) -> UsageInfo:
         completion_tokens = sum(self.num_tokens)

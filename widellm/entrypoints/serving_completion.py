@@ -17,7 +17,7 @@ from starlette.responses import Response
 from widellm.entrypoints.errors import APIError
 from widellm.entrypoints.protocol import (
     CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionStreamResponse, UsageInfo, prompt_logprobs_response,
+    CompletionStreamResponse, UsageInfo, prompt_logprobs_response, token_id_label,
 )
 from widellm.entrypoints.serving_base import OpenAIServing, random_uuid
 from widellm.entrypoints.streaming import (
@@ -62,30 +62,33 @@ class _ChoiceState:
 
 def completion_logprobs(
     token_ids: list[int], logprobs: list[dict[int, Logprob] | None], num_top: int,
-    text_offset: int, decode,
-) -> CompletionLogProbs:
-    """The legacy format for these positions: each token, its logprob, the ``num_top`` most
-    likely tokens, and where the token starts in the choice's text. A ``None`` position (the
-    first prompt token, which nothing predicts) has no logprob."""
+    text_offset: int, decode, as_ids: bool = False,
+) -> tuple[CompletionLogProbs, int]:
+    """The legacy format for these positions: each token (its text, or ``token_id:{id}`` when
+    ``as_ids``), its logprob, the ``num_top`` most likely tokens, and where the token starts in
+    the choice's text; and the offset after the last. A ``None`` position (the first prompt
+    token, which nothing predicts) has no logprob."""
     result = CompletionLogProbs()
     for token_id, position in zip(token_ids, logprobs):
         if position is None:
-            token, logprob, top = decode(token_id), None, None
+            text, logprob, top = decode(token_id), None, None
         else:
             entry = position[token_id]
-            token = entry.decoded_token if entry.decoded_token is not None else decode(token_id)
+            text = entry.decoded_token if entry.decoded_token is not None else decode(token_id)
             logprob = entry.logprob
-            ranked = sorted((lp for lp in position.values() if lp.rank is not None and lp.rank <= num_top),
-                            key=lambda lp: lp.rank)
+            ranked = sorted(((tid, lp) for tid, lp in position.items()
+                             if lp.rank is not None and lp.rank <= num_top),
+                            key=lambda item: item[1].rank)
             top = {}
-            for lp in ranked:  # tokens that decode alike share a key: keep the likeliest
-                top.setdefault(lp.decoded_token or "", lp.logprob)
-        result.tokens.append(token)
+            for tid, lp in ranked:  # tokens that decode alike share a key: keep the likeliest
+                top.setdefault(token_id_label(tid) if as_ids else lp.decoded_token or "",
+                               lp.logprob)
+        result.tokens.append(token_id_label(token_id) if as_ids else text)
         result.token_logprobs.append(logprob)
         result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
-        text_offset += len(token)
-    return result
+        text_offset += len(text)
+    return result, text_offset
 
 
 class _CompletionRun:
@@ -105,6 +108,7 @@ class _CompletionRun:
         self.created = int(time.time())
         self.choices = [_ChoiceState() for _ in range(len(prompts) * params.n)]
         self.kv_transfer_params: dict | None = None
+        self.as_ids = serving.tokens_as_ids(request)
 
     def _decode(self, token_id: int) -> str:
         return self.serving.tokenizer.decode([token_id])
@@ -157,18 +161,18 @@ class _CompletionRun:
                 prompt_text = self._prompt_text(prompt_index)
                 if want_logprobs:
                     ids = output.prompt_token_ids
-                    logprobs = completion_logprobs(
+                    logprobs, _ = completion_logprobs(
                         ids, output.prompt_logprobs or [None] * len(ids),
-                        self.request.logprobs, state.text_offset, self._decode)
+                        self.request.logprobs, state.text_offset, self._decode, self.as_ids)
                     # Offsets follow the echoed text, not the concatenated token strings.
                     state.text_offset = len(prompt_text)
                 text = prompt_text + text
         if want_logprobs:
-            new = completion_logprobs(sample.token_ids, sample.logprobs or [],
-                                      self.request.logprobs, state.text_offset, self._decode)
+            new, state.text_offset = completion_logprobs(
+                sample.token_ids, sample.logprobs or [], self.request.logprobs,
+                state.text_offset, self._decode, self.as_ids)
             for name in CompletionLogProbs.model_fields:
                 getattr(logprobs, name).extend(getattr(new, name))
-            state.text_offset += sum(len(t) for t in new.tokens)
         state.finished = sample.finish_reason is not None
         # Text can lag its tokens (a stop string's prefix, a character's first bytes); a delta
         # with no text still carries the choice's first-chunk fields and its new ids.
