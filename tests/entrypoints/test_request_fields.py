@@ -48,7 +48,6 @@ ASKING = {
     "mm_processor_kwargs": {"x": 1},
     "vllm_xargs": {"k": 1},
     "prompt_embeds": "AAAA",
-    "add_special_tokens": {"chat": True, "completions": False},
     "echo": True,
     "documents": [{"title": "t", "text": "x"}],
 }

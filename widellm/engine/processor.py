@@ -72,7 +72,10 @@ class InputProcessor:
                 f"this tokenizer covers more than {per_token} characters), more than "
                 f"max_model_len={max_len}")
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType,
+                 add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text or None, token ids); text is encoded with the tokenizer's special tokens (a
+        BOS, for most) unless ``add_special_tokens`` is false (text that already has them)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -81,7 +84,8 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("prompt: text needs a tokenizer; pass token ids instead")
             self.check_text_length(prompt)
-            return prompt, list(self.tokenizer(prompt).input_ids)
+            return prompt, list(self.tokenizer(
+                prompt, add_special_tokens=add_special_tokens).input_ids)
         return None, [int(t) for t in prompt]
 
     @staticmethod

@@ -199,6 +199,9 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
+    # vLLM's field and default: a text prompt gets the tokenizer's special tokens (a BOS);
+    # false for text that already has them (a chat rendered by the client).
+    add_special_tokens: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -83,6 +83,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     # None: "auto" where the server enables it (--enable-auto-tool-choice), else "none".
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's field and default: the template writes the prompt's special tokens; true adds
+    # the tokenizer's (a BOS) on top.
+    add_special_tokens: bool = False
 
     @model_validator(mode="before")
     @classmethod

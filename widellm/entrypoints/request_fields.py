@@ -24,10 +24,6 @@ NO_EFFECT = "accepted, no effect"
 
 # The content part type chat messages may carry: the served models read text only.
 TEXT_PART = "text"
-# vLLM's default of add_special_tokens per endpoint: the chat template writes the special
-# tokens of a chat prompt itself, a completion prompt gets the tokenizer's.
-CHAT_ADDS_SPECIAL_TOKENS = False
-COMPLETION_ADDS_SPECIAL_TOKENS = True
 
 
 def _absent(value: Any, _: Mapping[str, Any]) -> bool:
@@ -144,18 +140,12 @@ _VLLM_SHARED_UNSUPPORTED = {
 VLLM_COMPLETION_UNSUPPORTED: dict[str, FieldPolicy] = {
     **_VLLM_SHARED_UNSUPPORTED,
     "prompt_embeds": rejected("prompt embeddings are not supported"),
-    "add_special_tokens": rejected(
-        "completion prompts always get the tokenizer's special tokens",
-        _absent_or(COMPLETION_ADDS_SPECIAL_TOKENS)),
 }
 
 VLLM_CHAT_UNSUPPORTED: dict[str, FieldPolicy] = {
     **_VLLM_SHARED_UNSUPPORTED,
     "echo": rejected("echoing the last message is not supported", _absent_or(False)),
     "documents": rejected("documents (RAG chat templates) are not supported", _absent_or([])),
-    "add_special_tokens": rejected(
-        "the chat template writes the prompt's special tokens; adding the tokenizer's is not "
-        "supported", _absent_or(CHAT_ADDS_SPECIAL_TOKENS)),
 }
 
 

@@ -155,22 +155,23 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError.from_value_error(e, param) from None
 
-    async def tokenize_prompts(self, prompts: list[str | list[int]],
-                               param: str) -> list[tuple[str | None, list[int]]]:
+    async def tokenize_prompts(self, prompts: list[str | list[int]], param: str,
+                               add_special_tokens: bool = True
+                               ) -> list[tuple[str | None, list[int]]]:
         """``tokenize_prompt`` of each, in the executor; text too long to fit is refused first,
         on the loop, so it never waits for (or holds) a worker."""
         for prompt in prompts:
             if isinstance(prompt, str):
                 self.check_text_length(prompt, param)
         return await self.run_blocking(
-            lambda: [self.tokenize_prompt(p, param) for p in prompts])
+            lambda: [self.tokenize_prompt(p, param, add_special_tokens) for p in prompts])
 
-    def tokenize_prompt(self, prompt: str | list[int],
-                        param: str | None = None) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: str | list[int], param: str | None = None,
+                        add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a valid prompt: in vocabulary, within the context."""
         processor = self.engine.processor
         try:
-            text, ids = processor.tokenize(prompt)
+            text, ids = processor.tokenize(prompt, add_special_tokens)
             processor.validate_prompt(ids)
         except ValueError as e:
             raise APIError.from_value_error(e, param) from None
@@ -200,9 +201,11 @@ class OpenAIServing:
                            "differently", HTTPStatus.BAD_REQUEST, "chat_template")
         return given[param]
 
-    async def chat_prompt_ids(self, request: ChatTemplateFields, validate: bool) -> list[int]:
+    async def chat_prompt_ids(self, request: ChatTemplateFields, validate: bool,
+                              add_special_tokens: bool = False) -> list[int]:
         """A chat request's messages as token ids, rendered and tokenized in the executor;
-        ``validate``: also checked as a prompt (in vocabulary, within max_model_len)."""
+        ``validate``: also checked as a prompt (in vocabulary, within max_model_len);
+        ``add_special_tokens``: the tokenizer's (a BOS) on top of what the template wrote."""
         template = self.request_chat_template(request) or self.chat_template
         kwargs = {k: v for k, v in (request.chat_template_kwargs or {}).items()
                   if k != "chat_template"}
@@ -214,7 +217,8 @@ class OpenAIServing:
 
         def render() -> list[int]:
             ids = self.chat_token_ids(request.messages, request.add_generation_prompt, kwargs,
-                                      template, request.continue_final_message, request.tools)
+                                      template, request.continue_final_message, request.tools,
+                                      add_special_tokens)
             return self.tokenize_prompt(ids, "messages")[1] if validate else ids
 
         return await self.run_blocking(render)
@@ -235,7 +239,8 @@ class OpenAIServing:
                        chat_template_kwargs: dict[str, Any] | None,
                        chat_template: str | None = None,
                        continue_final_message: bool = False,
-                       tools: list[ChatCompletionTool] | None = None) -> list[int]:
+                       tools: list[ChatCompletionTool] | None = None,
+                       add_special_tokens: bool = False) -> list[int]:
         """Messages rendered by ``chat_template`` (default: the model's), as token ids; with
         ``continue_final_message`` the last message is left open (no end-of-turn), so the
         model goes on with its text. The rendered text is checked for length before it is
@@ -257,5 +262,6 @@ class OpenAIServing:
             raise APIError(f"messages: the chat template failed: {e}", HTTPStatus.BAD_REQUEST,
                            "messages") from None
         self.check_text_length(text, "messages")
-        # As apply_chat_template(tokenize=True) does: the template wrote the special tokens.
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        # By default as apply_chat_template(tokenize=True) does: the template wrote the
+        # special tokens.
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

@@ -63,7 +63,8 @@ class OpenAIServingChat(OpenAIServing):
         rank = self.data_parallel_rank(raw_request)
         params = self.sampling_params(request)
         tools = self.tool_plan(request, params)
-        ids = await self.chat_prompt_ids(request, validate=True)
+        ids = await self.chat_prompt_ids(request, validate=True,
+                                         add_special_tokens=request.add_special_tokens)
         self.check_length(len(ids), params.max_tokens, "messages",
                           "max_completion_tokens" if request.max_completion_tokens is not None
                           else "max_tokens")

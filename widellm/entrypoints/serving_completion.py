@@ -35,7 +35,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_n(request.n)
         rank = self.data_parallel_rank(raw_request)
         params = self.sampling_params(request)
-        prompts = await self.tokenize_prompts(request.prompts(), "prompt")
+        prompts = await self.tokenize_prompts(request.prompts(), "prompt",
+                                              request.add_special_tokens)
         if request.kv_transfer_params is not None and len(prompts) > 1:
             raise APIError("kv_transfer_params: one prompt per request (each prompt's KV "
                            "moves on its own)", HTTPStatus.BAD_REQUEST, "kv_transfer_params")
