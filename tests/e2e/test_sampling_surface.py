@@ -217,6 +217,44 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client):
         assert [t.token.startswith("token_id:") for t in entry.top_logprobs] == [True, True]
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client, model_dir):
+    """Completions (text and ids) and chat run only the prompt's last k tokens; a text or an
+    id list longer than the context is then accepted, not refused; k = -1 keeps
+    max_model_len; 0 or more than max_model_len is a 400 naming the field."""
+    from transformers import AutoTokenizer
+
+    from tests.e2e.server_harness import MAX_MODEL_LEN
+
+    def run(**kwargs) -> list[int]:
+        extra = {"return_token_ids": True, **kwargs.pop("extra", {})}
+        return client.completions.create(model=NAMES[0], max_tokens=1, **kwargs,
+                                         extra_body=extra).choices[0].prompt_token_ids
+
+    long_text = " ".join(["the river is blue and the sky is green"] * 400)
+    with pytest.raises(openai.BadRequestError):  # without truncation: too long to run
+        run(prompt=long_text)
+    want = AutoTokenizer.from_pretrained(model_dir(MODEL_ARCH))(long_text).input_ids
+    assert len(want) > MAX_MODEL_LEN
+    assert run(prompt=long_text, extra={"truncate_prompt_tokens": 100}) == want[-100:]
+    assert run(prompt=want, extra={"truncate_prompt_tokens": 100}) == want[-100:]
+    assert run(prompt=want[:50], extra={"truncate_prompt_tokens": 100}) == want[:50]
+    # -1 keeps a whole context: no room left to generate even one token.
+    with pytest.raises(openai.BadRequestError) as err:
+        run(prompt=want, extra={"truncate_prompt_tokens": -1})
+    assert f"the prompt ({MAX_MODEL_LEN} tokens) plus max_tokens (1)" in str(err.value)
+    messages = [{"role": "user", "content": PROMPT}]
+    chat_ids = _post(server, "/tokenize", {"messages": messages})["tokens"]
+    chat = client.chat.completions.create(model=NAMES[0], messages=messages, max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 3,
+                                                      "return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] == chat_ids[-3:]
+    assert chat.usage.prompt_tokens == 3
+    for keep in (0, -2, MAX_MODEL_LEN + 1):
+        with pytest.raises(openai.BadRequestError) as err:
+            run(prompt=PROMPT, extra={"truncate_prompt_tokens": keep})
+        assert err.value.body["param"] == "truncate_prompt_tokens", keep
+
+
 def test_without_return_token_ids_no_ids_are_sent(server):
     chat = _post(server, "/v1/chat/completions", {
         "model": NAMES[0], "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2})

@@ -40,7 +40,6 @@ ASKING = {
     "verbosity": "low",
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "truncate_prompt_tokens": 8,
     "allowed_token_ids": [1, 2],
     "bad_words": ["x"],
     "logits_processors": ["pkg.Proc"],

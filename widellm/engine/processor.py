@@ -72,10 +72,12 @@ class InputProcessor:
                 f"this tokenizer covers more than {per_token} characters), more than "
                 f"max_model_len={max_len}")
 
-    def tokenize(self, prompt: PromptType,
-                 add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType, add_special_tokens: bool = True,
+                 check_length: bool = True) -> tuple[str | None, list[int]]:
         """(text or None, token ids); text is encoded with the tokenizer's special tokens (a
-        BOS, for most) unless ``add_special_tokens`` is false (text that already has them)."""
+        BOS, for most) unless ``add_special_tokens`` is false (text that already has them),
+        and refused unread when too long to fit unless not ``check_length`` (a prompt the
+        caller truncates after encoding)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -83,7 +85,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text needs a tokenizer; pass token ids instead")
-            self.check_text_length(prompt)
+            if check_length:
+                self.check_text_length(prompt)
             return prompt, list(self.tokenizer(
                 prompt, add_special_tokens=add_special_tokens).input_ids)
         return None, [int(t) for t in prompt]

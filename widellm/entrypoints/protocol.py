@@ -143,6 +143,15 @@ class SamplingRequest(RequestModel, StructuredOutputFields):
     # "token_id:{id}", for tokens whose text does not identify them (byte pieces, merges that
     # decode alike).
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's field: keep only the prompt's last this many tokens (-1: max_model_len).
+    truncate_prompt_tokens: int | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_some(cls, keep: int | None) -> int | None:
+        if keep is not None and keep < 1 and keep != -1:
+            raise ValueError(f"must be -1 (max_model_len) or at least 1, got {keep}")
+        return keep
 
     @field_validator("cache_salt")
     @classmethod

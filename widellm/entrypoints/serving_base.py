@@ -155,23 +155,41 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError.from_value_error(e, param) from None
 
+    def prompt_truncation(self, request: Any) -> int | None:
+        """The prompt tokens ``request`` keeps (its last ones; vLLM's truncate_prompt_tokens,
+        -1: max_model_len), None for all."""
+        keep = request.truncate_prompt_tokens
+        if keep == -1:
+            return self.max_model_len
+        if keep is not None and keep > self.max_model_len:
+            raise APIError(f"truncate_prompt_tokens: {keep} is more than max_model_len="
+                           f"{self.max_model_len}", HTTPStatus.BAD_REQUEST,
+                           "truncate_prompt_tokens")
+        return keep
+
     async def tokenize_prompts(self, prompts: list[str | list[int]], param: str,
-                               add_special_tokens: bool = True
+                               add_special_tokens: bool = True, truncate: int | None = None
                                ) -> list[tuple[str | None, list[int]]]:
         """``tokenize_prompt`` of each, in the executor; text too long to fit is refused first,
-        on the loop, so it never waits for (or holds) a worker."""
+        on the loop, so it never waits for (or holds) a worker (text to be truncated is
+        bounded by the request body's size instead)."""
         for prompt in prompts:
-            if isinstance(prompt, str):
+            if isinstance(prompt, str) and truncate is None:
                 self.check_text_length(prompt, param)
         return await self.run_blocking(
-            lambda: [self.tokenize_prompt(p, param, add_special_tokens) for p in prompts])
+            lambda: [self.tokenize_prompt(p, param, add_special_tokens, truncate)
+                     for p in prompts])
 
     def tokenize_prompt(self, prompt: str | list[int], param: str | None = None,
-                        add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a valid prompt: in vocabulary, within the context."""
+                        add_special_tokens: bool = True, truncate: int | None = None
+                        ) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a valid prompt: in vocabulary, within the context;
+        ``truncate``: only its last that many tokens (then no text: it would not match)."""
         processor = self.engine.processor
         try:
-            text, ids = processor.tokenize(prompt, add_special_tokens)
+            text, ids = processor.tokenize(prompt, add_special_tokens, truncate is None)
+            if truncate is not None and len(ids) > truncate:
+                text, ids = None, ids[len(ids) - truncate:]
             processor.validate_prompt(ids)
         except ValueError as e:
             raise APIError.from_value_error(e, param) from None
@@ -202,10 +220,12 @@ class OpenAIServing:
         return given[param]
 
     async def chat_prompt_ids(self, request: ChatTemplateFields, validate: bool,
-                              add_special_tokens: bool = False) -> list[int]:
+                              add_special_tokens: bool = False,
+                              truncate: int | None = None) -> list[int]:
         """A chat request's messages as token ids, rendered and tokenized in the executor;
         ``validate``: also checked as a prompt (in vocabulary, within max_model_len);
-        ``add_special_tokens``: the tokenizer's (a BOS) on top of what the template wrote."""
+        ``add_special_tokens``: the tokenizer's (a BOS) on top of what the template wrote;
+        ``truncate``: only the last that many tokens."""
         template = self.request_chat_template(request) or self.chat_template
         kwargs = {k: v for k, v in (request.chat_template_kwargs or {}).items()
                   if k != "chat_template"}
@@ -218,7 +238,9 @@ class OpenAIServing:
         def render() -> list[int]:
             ids = self.chat_token_ids(request.messages, request.add_generation_prompt, kwargs,
                                       template, request.continue_final_message, request.tools,
-                                      add_special_tokens)
+                                      add_special_tokens, check_length=truncate is None)
+            if truncate is not None:
+                ids = ids[max(0, len(ids) - truncate):]
             return self.tokenize_prompt(ids, "messages")[1] if validate else ids
 
         return await self.run_blocking(render)
@@ -240,7 +262,8 @@ class OpenAIServing:
                        chat_template: str | None = None,
                        continue_final_message: bool = False,
                        tools: list[ChatCompletionTool] | None = None,
-                       add_special_tokens: bool = False) -> list[int]:
+                       add_special_tokens: bool = False,
+                       check_length: bool = True) -> list[int]:
         """Messages rendered by ``chat_template`` (default: the model's), as token ids; with
         ``continue_final_message`` the last message is left open (no end-of-turn), so the
         model goes on with its text. The rendered text is checked for length before it is
@@ -261,7 +284,8 @@ class OpenAIServing:
             # Templates reject conversations they cannot render (e.g. roles out of order).
             raise APIError(f"messages: the chat template failed: {e}", HTTPStatus.BAD_REQUEST,
                            "messages") from None
-        self.check_text_length(text, "messages")
+        if check_length:
+            self.check_text_length(text, "messages")
         # By default as apply_chat_template(tokenize=True) does: the template wrote the
         # special tokens.
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

@@ -64,7 +64,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request)
         tools = self.tool_plan(request, params)
         ids = await self.chat_prompt_ids(request, validate=True,
-                                         add_special_tokens=request.add_special_tokens)
+                                         add_special_tokens=request.add_special_tokens,
+                                         truncate=self.prompt_truncation(request))
         self.check_length(len(ids), params.max_tokens, "messages",
                           "max_completion_tokens" if request.max_completion_tokens is not None
                           else "max_tokens")

@@ -36,7 +36,8 @@ class OpenAIServingCompletion(OpenAIServing):
         rank = self.data_parallel_rank(raw_request)
         params = self.sampling_params(request)
         prompts = await self.tokenize_prompts(request.prompts(), "prompt",
-                                              request.add_special_tokens)
+                                              request.add_special_tokens,
+                                              self.prompt_truncation(request))
         if request.kv_transfer_params is not None and len(prompts) > 1:
             raise APIError("kv_transfer_params: one prompt per request (each prompt's KV "
                            "moves on its own)", HTTPStatus.BAD_REQUEST, "kv_transfer_params")
