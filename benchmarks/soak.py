@@ -1,7 +1,8 @@
 """A soak of a running ``widellm serve``: a seeded random mix of requests, then the checks a
 user would make after a burst of traffic.
 
-The mix: completions (n of 1-3, logprobs, stop strings), streamed completions and chats,
+The mix: completions (n of 1-3, logprobs, stop strings, ``return_token_ids`` checked against
+the usage counts, ``truncate_prompt_tokens``), streamed completions and chats,
 chats, JSON-schema chats (structured outputs), chats with tools and a ``required`` or named
 ``tool_choice`` (plain or streamed; every call that was not cut by max_tokens must name a tool
 given and carry arguments that parse to the function's required fields), streams the client
@@ -120,6 +121,19 @@ def _tool_call_error(calls: list[tuple[str, str]], finish: str) -> str | None:
     return None
 
 
+def _token_ids_error(out, n: int, keep: int | None) -> str | None:
+    """What is wrong with a completion's choices and ids against its usage, or None."""
+    if len(out.choices) != n:
+        return f"{len(out.choices)} choices for n={n}"
+    prompts = {len(c.prompt_token_ids or []) for c in out.choices}
+    if prompts != {out.usage.prompt_tokens} or (keep is not None and prompts.pop() > keep):
+        return f"prompt ids of {prompts} tokens, usage {out.usage.prompt_tokens}, keep {keep}"
+    generated = sum(len(c.token_ids or []) for c in out.choices)
+    if generated != out.usage.completion_tokens:
+        return f"{generated} generated ids, usage {out.usage.completion_tokens}"
+    return None
+
+
 async def one(client: openai.AsyncOpenAI, model: str, i: int, args, tally: Tally) -> None:
     r = random.Random(args.seed * 1_000_003 + i)
     kind = r.choice(KINDS)
@@ -130,11 +144,14 @@ async def one(client: openai.AsyncOpenAI, model: str, i: int, args, tally: Tally
     try:
         if kind == "completion":
             n = r.randint(1, 3)
+            keep = r.choice([None, r.randint(1, 8)])
             out = await client.completions.create(
                 model=model, prompt=text, n=n, logprobs=r.choice([None, 2]),
-                stop=r.choice([None, ["river"], ["."]]), **common)
-            if len(out.choices) != n:
-                tally.failures.append(f"#{i} {kind}: {len(out.choices)} choices for n={n}")
+                stop=r.choice([None, ["river"], ["."]]), **common,
+                extra_body={"return_token_ids": True, "truncate_prompt_tokens": keep})
+            error = _token_ids_error(out, n, keep)
+            if error is not None:
+                tally.failures.append(f"#{i} {kind}: {error}")
                 return
         elif kind == "completion_stream":
             await _drain(await client.completions.create(
