@@ -60,6 +60,10 @@ def test_greedy_clears_filters():
         ({"seed": True}, "seed must be an int or None, got True"),
         ({"stop": ["ok", ""]}, "stop must contain only non-empty strings, got ['ok', '']"),
         ({"stop_token_ids": [3, -1]}, "stop_token_ids must be >= 0, got [3, -1]"),
+        ({"allowed_token_ids": []},
+         "allowed_token_ids must be a non-empty list of token ids >= 0, got []"),
+        ({"allowed_token_ids": [4, -1]},
+         "allowed_token_ids must be a non-empty list of token ids >= 0, got [4, -1]"),
     ],
 )
 def test_validation_names_parameter(kwargs, message):

@@ -67,6 +67,7 @@ class SamplingParams:
     ``max_tokens=0`` computes the prompt only (for ``prompt_logprobs``) and samples nothing.
     ``logit_bias`` adds a value in [-100, 100] to a token's logit before anything else (ids
     are checked against the vocabulary by the engine's input processor);
+    ``allowed_token_ids`` (vLLM's) bans every other token, before anything else;
     ``structured_outputs`` constrains every sampled token to a grammar.
     """
 
@@ -90,6 +91,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's free-form extras; "kv_transfer_params" is read by the KV connector
     # (disaggregated prefill/decode, see widellm/kv_transfer).
@@ -103,6 +105,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -161,6 +165,10 @@ class SamplingParams:
                                  f"token {token}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, "
+                             f"got {self.allowed_token_ids}")
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -255,6 +255,28 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client, model_dir)
         assert err.value.body["param"] == "truncate_prompt_tokens", keep
 
 
+def test_allowed_token_ids_limit_every_sampled_token(server, client):
+    """Greedy and random choices alike sample only the allowed ids (read back with
+    return_token_ids); an id outside the vocabulary or an empty list is a 400 naming it."""
+    allowed = _post(server, "/tokenize", {"prompt": " river sky"})["tokens"][:2]
+    for extra in (GREEDY, {"temperature": 1.0, "seed": 7}):
+        out = client.completions.create(model=NAMES[0], prompt=PROMPT, n=3, max_tokens=12,
+                                        extra_body={"allowed_token_ids": allowed,
+                                                    "return_token_ids": True, **IGNORE_EOS,
+                                                    **extra})
+        sampled = {t for choice in out.choices for t in choice.token_ids}
+        assert sampled <= set(allowed) and sum(len(c.token_ids) for c in out.choices) == 36
+    chat = client.chat.completions.create(
+        model=NAMES[0], messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
+        extra_body={"allowed_token_ids": allowed[:1], "return_token_ids": True, **IGNORE_EOS})
+    assert chat.choices[0].token_ids == allowed[:1] * 12
+    for bad in ([10 ** 9], []):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=NAMES[0], prompt=PROMPT,
+                                      extra_body={"allowed_token_ids": bad})
+        assert err.value.body["param"] == "allowed_token_ids", bad
+
+
 def test_without_return_token_ids_no_ids_are_sent(server):
     chat = _post(server, "/v1/chat/completions", {
         "model": NAMES[0], "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2})

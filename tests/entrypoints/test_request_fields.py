@@ -40,7 +40,6 @@ ASKING = {
     "verbosity": "low",
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "allowed_token_ids": [1, 2],
     "bad_words": ["x"],
     "logits_processors": ["pkg.Proc"],
     "spaces_between_special_tokens": False,

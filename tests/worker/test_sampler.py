@@ -26,6 +26,7 @@ def test_build_leaves_unused_features_empty():
     assert md.top_k is None and md.top_p is None and md.min_p is None
     assert md.no_penalties and md.repetition_penalties is None and md.prompt_token_ids is None
     assert md.stop_token_ids_to_mask == {} and md.max_num_logprobs is None
+    assert md.logit_bias is None and md.allowed_token_mask is None
 
 
 def test_build_neutral_values_for_rows_without_a_feature():

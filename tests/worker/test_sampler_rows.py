@@ -81,6 +81,9 @@ def test_forward_matches_reference_sample_row():
         SamplingParams(temperature=0.5, top_k=12, top_p=0.6, min_p=0.1, seed=4),
         SamplingParams(temperature=0.9, seed=5, logit_bias={7: 2.5, 9: -100.0}),
         SamplingParams(temperature=0.0, logit_bias={11: 100.0}, repetition_penalty=1.2),
+        SamplingParams(temperature=1.1, seed=6, allowed_token_ids=[3, 8, 20, 41],
+                       logit_bias={8: 1.5, 9: 100.0}),
+        SamplingParams(temperature=0.0, allowed_token_ids=[2, 30], frequency_penalty=0.4),
     ]
     prompts = [random_ids(gen, vocab_size, 6) for _ in params]
     outputs = [random_ids(gen, vocab_size, 3) for _ in params]
@@ -105,6 +108,7 @@ def test_forward_matches_reference_sample_row():
         assert got == expected
         assert got[3] != 5
         assert got[6] == 11 and got[5] != 9
+        assert got[7] in (3, 8, 20, 41) and got[8] in (2, 30)  # a bias cannot unban token 9
 
 
 def test_logit_bias_bans_and_forces_tokens_in_greedy_batches():
@@ -114,6 +118,20 @@ def test_logit_bias_bans_and_forces_tokens_in_greedy_batches():
               SamplingParams(temperature=0.0, logit_bias={0: 100.0})]
     md = build(params, vocab_size=4)
     assert sample(logits.clone(), md).sampled_token_ids.tolist() == [1, 3, 0]
+
+
+def test_allowed_token_ids_ban_every_other_token_in_greedy_batches():
+    """The greedy fast path is left when a row has allowed ids: its argmax is over them only;
+    the row without any keeps the full vocabulary."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]] * 3)
+    params = [SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, allowed_token_ids=[0, 2]),
+              SamplingParams(temperature=0.0, allowed_token_ids=[3])]
+    md = build(params, vocab_size=4)
+    assert sample(logits.clone(), md).sampled_token_ids.tolist() == [1, 2, 3]
+    assert md.allowed_token_mask[0].tolist() == [1, 2]
+    assert md.allowed_token_mask[1].tolist() == [[False, True, False, True],
+                                                 [True, True, True, False]]
 
 
 def test_min_tokens_never_masks_a_rows_last_allowed_tokens():

@@ -125,10 +125,12 @@ class InputProcessor:
         field that carried it), and a KV transfer against this instance's connector (so that a
         streamed request is refused with its status, before its stream starts)."""
         self.kv_transfer_params(params, params.n)
-        bad = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias: token ids {bad[:3]} outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:3]} outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         if params.structured_outputs is not None:
             try:
                 backend_class(self.structured_outputs_backend).validate(

@@ -60,7 +60,7 @@ CompletionPrompt = Annotated[StrictStr | list[StrictStr] | TokenIds | list[Token
 SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-    "skip_special_tokens", "include_stop_str_in_output",
+    "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids",
 )
 
 
@@ -119,6 +119,8 @@ class SamplingRequest(RequestModel, StructuredOutputFields):
     seed: int | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: TokenIds | None = None
+    # vLLM's field: only these tokens may be sampled.
+    allowed_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True

@@ -127,7 +127,6 @@ _VLLM_SHARED_UNSUPPORTED = {
     "use_beam_search": rejected("beam search is not supported", _absent_or(False)),
     "length_penalty": rejected("length_penalty (beam search) is not supported",
                                _absent_or(1, 1.0)),
-    "allowed_token_ids": rejected("allowed_token_ids is not supported; use logit_bias"),
     "bad_words": rejected("bad_words is not supported; use logit_bias", _absent_or([])),
     "logits_processors": rejected("custom logits processors are not supported"),
     "spaces_between_special_tokens": rejected(

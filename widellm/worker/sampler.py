@@ -1,10 +1,11 @@
 """Turns one step's logits into next tokens, and the logprobs requests asked for.
 
-Order, as in vLLM: logprobs from the raw logits; logit_bias; min_tokens masking (never
-masking a row's every allowed token: a grammar that admits only EOS wins); penalties; then greedy
-rows take the argmax while random rows go through temperature, top-k, top-p, min-p and an
-exponential race (argmax of probs / q, q ~ Exponential(1)), which samples from probs without
-a cumulative-sum search and lets a seeded row draw q from its own generator.
+Order, as in vLLM: logprobs from the raw logits; allowed_token_ids; logit_bias; min_tokens
+masking (never masking a row's every allowed token: a grammar that admits only EOS wins);
+penalties; then greedy rows take the argmax while random rows go through temperature, top-k,
+top-p, min-p and an exponential race (argmax of probs / q, q ~ Exponential(1)), which samples
+from probs without a cumulative-sum search and lets a seeded row draw q from its own
+generator.
 
 The batched functions are written for speed (no loops over rows except seeded generators);
 ``sampler_reference.py`` does the same per row in plain code, for tests.
@@ -104,11 +105,15 @@ class Sampler(nn.Module):
             and not md.stop_token_ids_to_mask
             and md.max_num_logprobs is None
             and md.logit_bias is None
+            and md.allowed_token_mask is None
         ):
             return SamplerOutput(row_argmax(logits), None)
 
         raw_logprobs = compute_logprobs(logits) if md.max_num_logprobs is not None else None
         logits = logits.to(torch.float32)
+        if md.allowed_token_mask is not None:
+            rows, banned = md.allowed_token_mask
+            logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
         if md.logit_bias is not None:
             rows, ids, biases = md.logit_bias
             logits.index_put_((rows, ids), biases, accumulate=True)

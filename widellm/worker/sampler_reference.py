@@ -76,6 +76,11 @@ def reference_sample_row(
     """Sample one token for one row. logits: [V]; noise: [V] Exponential(1) draws (the q of
     the exponential race), required unless the row is greedy."""
     logits = logits.to(torch.float32).clone()
+    if params.allowed_token_ids is not None:
+        allowed = set(params.allowed_token_ids)
+        for t in range(logits.shape[0]):
+            if t not in allowed:
+                logits[t] = float("-inf")
     for t, bias in (params.logit_bias or {}).items():
         logits[t] += bias
     unmasked = logits.clone()

@@ -46,6 +46,9 @@ class SamplingMetadata:
     max_num_logprobs: the largest ``logprobs`` of any row, ``None`` when no row asks.
     logit_bias: (rows [N] int64, token ids [N] int64, biases [N] fp32) of every row's
         ``logit_bias`` entries, ``None`` when no row has one.
+    allowed_token_mask: (rows [R] int64, banned [R, vocab_size] bool) of the rows with
+        ``allowed_token_ids``: True where a token is not allowed; ``None`` when no row has
+        them.
     """
 
     temperature: torch.Tensor
@@ -64,6 +67,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     max_top_k: int = 0
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    allowed_token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -168,6 +172,7 @@ class SamplingMetadata:
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
             max_top_k=max((k for k in top_ks if k < vocab_size), default=0),
             logit_bias=_logit_bias(params_list, device),
+            allowed_token_mask=_allowed_token_mask(params_list, vocab_size, device),
         )
 
 
@@ -186,6 +191,18 @@ def _logit_bias(params_list: Sequence[SamplingParams], device: torch.device | st
     return (host_to_device(rows, torch.int64, device),
             host_to_device(ids, torch.int64, device),
             host_to_device(biases, torch.float32, device))
+
+
+def _allowed_token_mask(params_list: Sequence[SamplingParams], vocab_size: int,
+                        device: torch.device | str
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [row for row, p in enumerate(params_list) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    banned = torch.ones(len(rows), vocab_size, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        banned[i, params_list[row].allowed_token_ids] = False
+    return host_to_device(rows, torch.int64, device), banned.to(device, non_blocking=True)
 
 
 def pad_rows(
