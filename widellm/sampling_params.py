@@ -65,9 +65,9 @@ class SamplingParams:
     token (the sampled token is always returned as well). End-of-sequence tokens are not part
     of these params: the request carries them, and ``ignore_eos`` says whether they stop it.
     ``max_tokens=0`` computes the prompt only (for ``prompt_logprobs``) and samples nothing.
-    ``logit_bias`` adds a value in [-100, 100] to a token's logit before anything else (ids
-    are checked against the vocabulary by the engine's input processor);
-    ``allowed_token_ids`` (vLLM's) bans every other token, before anything else;
+    ``allowed_token_ids`` (vLLM's) bans every other token, first; ``logit_bias`` then adds a
+    value in [-100, 100] to a token's logit, before anything else (the ids of both are
+    checked against the vocabulary by the engine's input processor);
     ``structured_outputs`` constrains every sampled token to a grammar.
     """
 
