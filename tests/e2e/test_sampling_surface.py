@@ -24,7 +24,9 @@ MAX_LOGPROBS = 5
 DEFAULT_MAX_TOKENS = 6  # the generation config's max_new_tokens
 GENERATION_CONFIG = {"temperature": 0.0, "max_new_tokens": DEFAULT_MAX_TOKENS}
 # Not the model's template ("<|user|>\n..."): answers rendered with it show the flag works.
-SERVER_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+SERVER_TEMPLATE = ("{% for d in documents or [] %}[doc {{ d['title'] }}] {{ d['text'] }}\n"
+                   "{% endfor %}"
+                   "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                    "{% if add_generation_prompt %}[assistant] {% endif %}")
 PROMPT = "The capital of France is"
 CONTINUED = [{"role": "user", "content": "Tell me"},
@@ -275,6 +277,21 @@ def test_allowed_token_ids_limit_every_sampled_token(server, client):
             client.completions.create(model=NAMES[0], prompt=PROMPT,
                                       extra_body={"allowed_token_ids": bad})
         assert err.value.body["param"] == "allowed_token_ids", bad
+
+
+def test_documents_reach_the_chat_template(server, client):
+    """vLLM's documents: rendered by a template that reads them (this server's), the same on
+    /tokenize and in the chat request that runs them."""
+    documents = [{"title": "Paris", "text": "Paris is the capital of France."}]
+    messages = [{"role": "user", "content": "What is the capital?"}]
+    ids = _post(server, "/tokenize", {"messages": messages, "documents": documents})["tokens"]
+    rendered = _post(server, "/detokenize", {"tokens": ids})["prompt"]
+    assert rendered == ("[doc Paris] Paris is the capital of France.\n"
+                        "[user] What is the capital?\n[assistant] ")
+    chat = client.chat.completions.create(model=NAMES[0], messages=messages, max_tokens=1,
+                                          extra_body={"documents": documents,
+                                                      "return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] == ids
 
 
 def test_without_return_token_ids_no_ids_are_sent(server):

@@ -47,7 +47,6 @@ ASKING = {
     "vllm_xargs": {"k": 1},
     "prompt_embeds": "AAAA",
     "echo": True,
-    "documents": [{"title": "t", "text": "x"}],
 }
 # Values of rejected fields that ask for nothing, so they are accepted.
 INERT = {

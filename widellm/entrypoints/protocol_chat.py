@@ -63,6 +63,9 @@ class ChatTemplateFields(RequestModel):
     continue_final_message: bool = False
     # The functions the model may call, for the template to describe to it.
     tools: list[ChatCompletionTool] | None = None
+    # vLLM's field: documents for a RAG template (Command R's, Granite's), e.g. {"title",
+    # "text"} each; handed to the template, which decides how to show them.
+    documents: list[dict[str, str]] | None = None
 
     @model_validator(mode="after")
     def _one_way_to_end(self) -> ChatTemplateFields:

@@ -143,7 +143,6 @@ VLLM_COMPLETION_UNSUPPORTED: dict[str, FieldPolicy] = {
 VLLM_CHAT_UNSUPPORTED: dict[str, FieldPolicy] = {
     **_VLLM_SHARED_UNSUPPORTED,
     "echo": rejected("echoing the last message is not supported", _absent_or(False)),
-    "documents": rejected("documents (RAG chat templates) are not supported", _absent_or([])),
 }
 
 

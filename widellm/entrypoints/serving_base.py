@@ -238,7 +238,8 @@ class OpenAIServing:
         def render() -> list[int]:
             ids = self.chat_token_ids(request.messages, request.add_generation_prompt, kwargs,
                                       template, request.continue_final_message, request.tools,
-                                      add_special_tokens, check_length=truncate is None)
+                                      add_special_tokens, check_length=truncate is None,
+                                      documents=request.documents)
             if truncate is not None:
                 ids = ids[max(0, len(ids) - truncate):]
             return self.tokenize_prompt(ids, "messages")[1] if validate else ids
@@ -263,7 +264,8 @@ class OpenAIServing:
                        continue_final_message: bool = False,
                        tools: list[ChatCompletionTool] | None = None,
                        add_special_tokens: bool = False,
-                       check_length: bool = True) -> list[int]:
+                       check_length: bool = True,
+                       documents: list[dict[str, str]] | None = None) -> list[int]:
         """Messages rendered by ``chat_template`` (default: the model's), as token ids; with
         ``continue_final_message`` the last message is left open (no end-of-turn), so the
         model goes on with its text. The rendered text is checked for length before it is
@@ -278,6 +280,7 @@ class OpenAIServing:
                 tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                documents=documents,
                 **(chat_template_kwargs or {}),
             )
         except (TemplateError, ValueError, TypeError) as e:
