@@ -16,8 +16,8 @@ import argparse
 import itertools
 
 from widellm.sim.calibration import (
-    PROBE_INPUT_LEN, PROBE_OUTPUT_LEN, PROBE_SIZES, CalibrationCase, EngineSettings,
-    host_time_line, make_llm, simulate_case, timed_generate, without_host_time,
+    PROBE_INPUT_LEN, PROBE_OUTPUT_LEN, PROBE_SIZES, EngineSettings, host_time_line, make_llm,
+    probe_case, simulate_case, timed_generate, without_host_time,
 )
 from widellm.sim.profiles.measure_cpu import measure_cpu_profile
 
@@ -48,8 +48,7 @@ def main() -> None:
     print("|---:|---:|---|---:|")
     residual = {}
     for n in sizes:
-        case = CalibrationCase("probe", 1, n, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
-        sim = simulate_case(settings, bare, case).mean_step_s
+        sim = simulate_case(settings, bare, probe_case(n)).mean_step_s
         residual[n] = min(steps[n]) - sim
         runs = ", ".join(f"{s * 1e3:.1f}" for s in steps[n])
         print(f"| {n} | {sim * 1e3:.1f} | {runs} | {residual[n] * 1e3:.1f} |")

@@ -126,7 +126,7 @@ def _token_ids_error(out, n: int, keep: int | None) -> str | None:
     if len(out.choices) != n:
         return f"{len(out.choices)} choices for n={n}"
     prompts = {len(c.prompt_token_ids or []) for c in out.choices}
-    if prompts != {out.usage.prompt_tokens} or (keep is not None and prompts.pop() > keep):
+    if prompts != {out.usage.prompt_tokens} or (keep is not None and max(prompts) > keep):
         return f"prompt ids of {prompts} tokens, usage {out.usage.prompt_tokens}, keep {keep}"
     generated = sum(len(c.token_ids or []) for c in out.choices)
     if generated != out.usage.completion_tokens:

@@ -86,23 +86,21 @@ def test_probe_fit_recovers_a_known_host_time():
     """Probes that took exactly 10 ms per step + 0.5 ms per sequence longer than the bare
     simulation give back those two numbers, and the fitted profile then reproduces them."""
     from widellm.sim.calibration import (
-        PROBE_INPUT_LEN, PROBE_OUTPUT_LEN, RunNumbers, fit_host_overhead, simulate_case,
+        RunNumbers, fit_host_overhead, probe_case, simulate_case,
     )
     from widellm.sim.hardware import H100
 
     settings = EngineSettings("preset:deepseek-v3-tiny", num_kv_blocks=1024)
     probes = {}
     for seqs in PROBE_SIZES:
-        case = CalibrationCase("probe", 1, seqs, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
-        bare = simulate_case(settings, H100, case)
+        bare = simulate_case(settings, H100, probe_case(seqs))
         probes[seqs] = RunNumbers(0.0, bare.mean_step_s + 0.010 + 0.0005 * seqs,
                                   bare.num_steps)
     fitted = fit_host_overhead(settings, H100, probes)
     assert fitted.step_overhead_s == pytest.approx(0.010)
     assert fitted.step_overhead_per_seq_s == pytest.approx(0.0005)
     largest = max(PROBE_SIZES)
-    case = CalibrationCase("probe", 1, largest, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
-    assert simulate_case(settings, fitted, case).mean_step_s == pytest.approx(
+    assert simulate_case(settings, fitted, probe_case(largest)).mean_step_s == pytest.approx(
         probes[largest].mean_step_s)
 
 

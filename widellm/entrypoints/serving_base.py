@@ -189,7 +189,7 @@ class OpenAIServing:
         try:
             text, ids = processor.tokenize(prompt, add_special_tokens, truncate is None)
             if truncate is not None and len(ids) > truncate:
-                text, ids = None, ids[len(ids) - truncate:]
+                text, ids = None, ids[-truncate:]
             processor.validate_prompt(ids)
         except ValueError as e:
             raise APIError.from_value_error(e, param) from None
@@ -240,8 +240,8 @@ class OpenAIServing:
                                       template, request.continue_final_message, request.tools,
                                       add_special_tokens, check_length=truncate is None,
                                       documents=request.documents)
-            if truncate is not None:
-                ids = ids[max(0, len(ids) - truncate):]
+            if truncate is not None:  # at least 1 (the request's field is checked)
+                ids = ids[-truncate:]
             return self.tokenize_prompt(ids, "messages")[1] if validate else ids
 
         return await self.run_blocking(render)

@@ -204,7 +204,8 @@ class _ChatRun:
 
     async def collect(self) -> ChatCompletionResponse:
         texts: list[list[str]] = [[] for _ in range(self.params.n)]
-        token_ids = [self._token_ids(CompletionOutput(i, "", [])) for i in range(self.params.n)]
+        token_ids = [[] if self.request.return_token_ids else None
+                     for _ in range(self.params.n)]
         logprobs = [self._logprobs(CompletionOutput(i, "", [])) for i in range(self.params.n)]
         reasons: list[tuple[str | None, int | str | None]] = [(None, None)] * self.params.n
         async with aclosing(self._samples()) as samples:

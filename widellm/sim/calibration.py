@@ -117,6 +117,11 @@ def timed_generate(llm: Any, num_prompts: int, input_len: int, output_len: int,
     return RunNumbers(tokens / elapsed, elapsed / max(steps, 1), steps)
 
 
+def probe_case(seqs: int) -> CalibrationCase:
+    """The probe of ``seqs`` sequences decoding short prompts on one rank."""
+    return CalibrationCase("probe", 1, seqs, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
+
+
 def _fastest(runs: list[RunNumbers]) -> RunNumbers:
     return min(runs, key=lambda r: r.mean_step_s)
 
@@ -226,10 +231,8 @@ def fit_host_overhead(settings: EngineSettings, profile: HardwareProfile,
     simulated one without host time. ``probes``: the real runs by sequences per step."""
     bare = without_host_time(profile)
     sizes = sorted(probes)
-    residuals = []
-    for seqs in sizes:
-        case = CalibrationCase("probe", 1, seqs, PROBE_INPUT_LEN, PROBE_OUTPUT_LEN)
-        residuals.append(probes[seqs].mean_step_s - simulate_case(settings, bare, case).mean_step_s)
+    residuals = [probes[n].mean_step_s - simulate_case(settings, bare, probe_case(n)).mean_step_s
+                 for n in sizes]
     per_step, per_seq = host_time_line(sizes, residuals)
     source = (f"{profile.source}; host time per step fitted on probes of "
               f"{', '.join(map(str, sizes))} sequences of {settings.model} ({settings.dtype}) "
